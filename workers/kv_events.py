@@ -1,0 +1,48 @@
+"""Engine-neutral KV-cache events, as the router's index consumes them.
+
+Each backend decodes its own wire format (vLLM/SGLang ZMQ msgpack, TensorRT-LLM JSON) into these.
+Block hashes are the *engine's* ids, normalised to Python ints; the router maps them to its own
+hashes, so any engine's hash algorithm works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KvEventBatch", "KvEventDecodeError"]
+
+
+class KvEventDecodeError(ValueError):
+    """A frame or event could not be decoded; the consumer logs and skips it."""
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class KvEventBatch:
+    seq: int
+    ts: float
+    events: list[KvEvent] = field(default_factory=list)
+    dp_rank: int | None = None

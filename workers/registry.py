@@ -1,0 +1,29 @@
+"""Backends by name. Each is registered as a module path and imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+
+from workers.backend import Backend
+
+__all__ = ["get_backend", "backend_names"]
+
+_BACKENDS: dict[str, str] = {
+    "vllm": "workers.vllm.backend:VllmBackend",
+    "sim": "workers.sim.backend:SimBackend",
+}
+
+_cache: dict[str, Backend] = {}
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str) -> Backend:
+    if name not in _BACKENDS:
+        raise KeyError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+    if name not in _cache:
+        module, _, attr = _BACKENDS[name].partition(":")
+        _cache[name] = getattr(importlib.import_module(module), attr)()
+    return _cache[name]

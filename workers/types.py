@@ -1,0 +1,89 @@
+"""Types shared by the worker side and the frontend side.
+
+`WorkerInfo` is what a worker registers (in Redis or in memory): everything the frontend and the
+router need to reach an engine and read its KV events. `EngineMetrics` is one engine's normalised
+`/metrics` snapshot, whatever the backend's own metric names are.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+__all__ = ["WorkerRole", "WorkerState", "WorkerInfo", "EngineMetrics", "LaunchSpec", "EngineLaunchConfig"]
+
+
+class WorkerRole(str, enum.Enum):
+    """Which phase(s) of a request an engine serves."""
+
+    BOTH = "both"  # aggregated: prefill and decode on the same engine
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class WorkerState(str, enum.Enum):
+    READY = "ready"
+    DRAINING = "draining"  # takes no new requests; in-flight ones finish
+
+
+class WorkerInfo(BaseModel):
+    """A registered engine. Written by `kvyard worker` (or the local launcher), read by frontends."""
+
+    worker_id: str
+    model: str
+    backend: str
+    role: WorkerRole = WorkerRole.BOTH
+    url: str  # engine HTTP base URL, e.g. http://127.0.0.1:8100
+    block_size: int = 16
+    max_model_len: int = 4096
+    tokenizer: str | None = None  # local path of a folder holding tokenizer.json (+ tokenizer_config.json)
+    kv_events_endpoint: str | None = None  # ZMQ PUB endpoint, as a subscriber connects to it
+    kv_replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for replay
+    kv_events_topic: str = ""
+    state: WorkerState = WorkerState.READY
+    started_at: float = Field(default_factory=time.time)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """One scrape of an engine's metrics, normalised across backends (gauges now, counters cumulative)."""
+
+    num_requests_running: float = 0.0
+    num_requests_waiting: float = 0.0
+    kv_cache_usage: float = 0.0  # 0..1
+    prefix_cache_queries: float = 0.0  # tokens, cumulative
+    prefix_cache_hits: float = 0.0  # tokens, cumulative
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    num_preemptions: float = 0.0
+    scraped_at: float = field(default_factory=time.time)
+
+
+@dataclass(slots=True)
+class EngineLaunchConfig:
+    """What a worker needs to start one engine server. Backends turn it into a command line."""
+
+    model: str  # model path (vLLM) or profile name (sim)
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8100
+    block_size: int = 16
+    max_model_len: int = 4096
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_events_endpoint: str | None = None  # bind endpoint for the engine's PUB socket
+    kv_replay_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
+    python: str | None = None  # interpreter that runs the engine (a separate venv for vLLM)
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LaunchSpec:
+    argv: list[str]
+    env: dict[str, str]

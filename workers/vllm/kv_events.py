@@ -1,0 +1,217 @@
+"""vLLM's KV-cache event wire format (ZMQ + msgpack), encode and decode.
+
+Wire (vLLM 0.32, `vllm/distributed/kv_events.py`):
+  PUB message  = [topic, seq (8-byte big-endian unsigned), payload]
+  payload      = msgpack EventBatch, positional: [ts: float, events: list, data_parallel_rank: int|None]
+  event (>=0.24) = tagged map {"type": "BlockStored", "block_hashes": [...], ...}, omit_defaults
+  event (<=0.23) = tagged array ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, ...]
+  replay       = ROUTER socket; request [b"", start_seq (8 bytes BE)] from a DEALER;
+                 reply [b"", topic, seq, payload] per buffered batch, then [b"", b"", END_SEQ=-1 (signed), b""];
+                 vLLM <= 0.24 replies [seq, payload] without the topic frame.
+
+`encode_batch` writes exactly what vLLM 0.32 writes (the sim engine uses it); `decode_payload`
+accepts both event encodings, unknown fields and raw-bytes hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError
+
+__all__ = [
+    "END_SEQ",
+    "encode_batch",
+    "decode_payload",
+    "decode_pub_frames",
+    "decode_replay_frames",
+    "pack_seq",
+    "unpack_seq",
+]
+
+END_SEQ = -1
+_U64 = (1 << 64) - 1
+
+
+class _BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True, gc=False):
+    # Field order is vLLM 0.32's; fields without a default are always present, even as nil.
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True, gc=False):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True, gc=False):
+    pass
+
+
+class _EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[_BlockStored | _BlockRemoved | _AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def pack_seq(seq: int, signed: bool = False) -> bytes:
+    return struct.pack(">q" if signed else ">Q", seq)
+
+
+def unpack_seq(raw: bytes) -> int:
+    if len(raw) != 8:
+        raise KvEventDecodeError(f"sequence frame must be 8 bytes, got {len(raw)}")
+    return struct.unpack(">q", raw)[0] if raw == b"\xff" * 8 else struct.unpack(">Q", raw)[0]
+
+
+def encode_batch(ts: float, events: list[KvEvent], dp_rank: int | None = 0) -> bytes:
+    """Encode engine-neutral events exactly as vLLM 0.32 publishes them (map-tagged events)."""
+    wire: list[_BlockStored | _BlockRemoved | _AllBlocksCleared] = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            n = len(ev.block_hashes)
+            wire.append(
+                _BlockStored(
+                    block_hashes=ev.block_hashes,
+                    parent_block_hash=ev.parent_block_hash,
+                    token_ids=ev.token_ids,
+                    block_size=ev.block_size,
+                    lora_id=None,
+                    medium=ev.medium or "GPU",
+                    lora_name=ev.lora_name,
+                    extra_keys=[None] * n,
+                    group_idx=0,
+                    kv_cache_spec_kind="full_attention",
+                )
+            )
+        elif isinstance(ev, BlockRemoved):
+            wire.append(_BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium or "GPU", group_idx=0))
+        else:
+            wire.append(_AllBlocksCleared())
+    return _encoder.encode(_EventBatch(ts=ts, events=wire, data_parallel_rank=dp_rank))
+
+
+def _hash(value: Any) -> int:
+    if isinstance(value, bool):
+        raise KvEventDecodeError("block hash must be int or bytes, got bool")
+    if isinstance(value, int):
+        return value & _U64
+    if isinstance(value, (bytes, bytearray)):
+        return int.from_bytes(value, "big") & _U64
+    raise KvEventDecodeError(f"block hash must be int or bytes, got {type(value).__name__}")
+
+
+def _hash_list(value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise KvEventDecodeError("block_hashes must be a list")
+    return [_hash(v) for v in value]
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise KvEventDecodeError(f"{what} must be a list of ints")
+    return value
+
+
+_STORED_ORDER = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_REMOVED_ORDER = ("block_hashes", "medium")
+
+
+def _as_fields(raw: Any) -> tuple[str, dict[str, Any]]:
+    """Both encodings -> (tag, fields)."""
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise KvEventDecodeError("event map has no string 'type'")
+        return tag, raw
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag, rest = raw[0], raw[1:]
+        order = _STORED_ORDER if tag == "BlockStored" else _REMOVED_ORDER if tag == "BlockRemoved" else ()
+        return tag, dict(zip(order, rest))
+    raise KvEventDecodeError("event is neither a tagged map nor a tagged array")
+
+
+def _decode_event(raw: Any) -> KvEvent | None:
+    tag, f = _as_fields(raw)
+    if tag == "BlockStored":
+        bs = f.get("block_size")
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0:
+            raise KvEventDecodeError("BlockStored.block_size must be a positive int")
+        parent = f.get("parent_block_hash")
+        lora = f.get("lora_name")
+        medium = f.get("medium")
+        return BlockStored(
+            block_hashes=_hash_list(f.get("block_hashes")),
+            parent_block_hash=None if parent is None else _hash(parent),
+            token_ids=_int_list(f.get("token_ids"), "token_ids"),
+            block_size=bs,
+            lora_name=lora if isinstance(lora, str) else None,
+            medium=medium if isinstance(medium, str) else None,
+        )
+    if tag == "BlockRemoved":
+        medium = f.get("medium")
+        return BlockRemoved(block_hashes=_hash_list(f.get("block_hashes")), medium=medium if isinstance(medium, str) else None)
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None  # an event kind we do not index; ignored like unknown fields
+
+
+def decode_payload(payload: bytes, seq: int = 0) -> KvEventBatch:
+    """Decode one EventBatch payload. Raises KvEventDecodeError on anything malformed."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise KvEventDecodeError(f"payload is not msgpack: {exc}") from exc
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise KvEventDecodeError("EventBatch must be an array [ts, events, dp_rank?]")
+    ts, events = raw[0], raw[1]
+    dp_rank = raw[2] if len(raw) > 2 else None
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not isinstance(events, list):
+        raise KvEventDecodeError("EventBatch ts must be a number and events a list")
+    if dp_rank is not None and (not isinstance(dp_rank, int) or isinstance(dp_rank, bool)):
+        raise KvEventDecodeError("EventBatch data_parallel_rank must be an int or nil")
+    decoded = [e for e in (_decode_event(r) for r in events) if e is not None]
+    return KvEventBatch(seq=seq, ts=float(ts), events=decoded, dp_rank=dp_rank)
+
+
+def decode_pub_frames(frames: list[bytes]) -> KvEventBatch:
+    """A PUB message: [topic, seq, payload]."""
+    if len(frames) != 3:
+        raise KvEventDecodeError(f"PUB message must have 3 frames, got {len(frames)}")
+    return decode_payload(frames[2], unpack_seq(frames[1]))
+
+
+def decode_replay_frames(frames: list[bytes]) -> KvEventBatch | None:
+    """A replay reply as a DEALER receives it. Returns None at END_SEQ.
+
+    0.32: [b"", topic, seq, payload]; <=0.24: [b"", seq, payload] (a DEALER still sees the empty delimiter).
+    """
+    body = frames[1:] if frames and frames[0] == b"" else frames
+    if len(body) == 3:
+        _topic, seq_raw, payload = body
+    elif len(body) == 2:
+        seq_raw, payload = body
+    else:
+        raise KvEventDecodeError(f"replay reply must have 2 or 3 frames after the delimiter, got {len(body)}")
+    seq = unpack_seq(seq_raw)
+    if seq == END_SEQ:
+        return None
+    return decode_payload(payload, seq)
