@@ -1,0 +1,109 @@
+"""Run one engine server as a child process: start it, wait until it is healthy, stop it.
+
+Used by `kvyard worker`, by the local launcher behind `kvyard up`, and by the integration tests.
+The engine runs in its own process group so that stopping it also stops its helpers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from workers.backend import Backend
+from workers.types import EngineLaunchConfig
+
+__all__ = ["EngineProcess", "EngineStartError"]
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or never became healthy; the message carries the tail of its log."""
+
+
+class EngineProcess:
+    def __init__(self, backend: Backend, cfg: EngineLaunchConfig, log_path: str | Path | None = None) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.log_path = Path(log_path) if log_path else None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def start(self) -> None:
+        spec = self.backend.launch_spec(self.cfg)
+        env = {**os.environ, **spec.env}
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "ab")
+            out = self._log_file
+        else:
+            out = subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            spec.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+
+    def log_tail(self, n: int = 40) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return "(no log)"
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    async def wait_healthy(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.returncode is not None:
+                    raise EngineStartError(
+                        f"{self.backend.name} engine exited with code {self.returncode}:\n{self.log_tail()}"
+                    )
+                try:
+                    r = await client.get(self.url + self.backend.health_path)
+                    if r.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.2)
+        raise EngineStartError(f"{self.backend.name} engine not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def _signal(self, sig: int) -> None:
+        if self._proc and self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the process group, then SIGKILL after `grace` seconds."""
+        if self._proc is None:
+            return
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self._proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._proc.poll() is None:
+            self._signal(signal.SIGKILL)
+            while self._proc.poll() is None:
+                await asyncio.sleep(0.05)
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+
+    def kill(self) -> None:
+        """Synchronous SIGKILL (atexit and fault-injection paths)."""
+        self._signal(signal.SIGKILL)
