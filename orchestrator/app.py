@@ -1,0 +1,128 @@
+"""The frontend ASGI app: routes, error mapping, lifespan. No request logic here (see service.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import HTMLResponse, JSONResponse, Response
+
+from orchestrator.config import FrontendConfig
+from orchestrator.errors import BadRequestError, KvyardError, ModelNotFoundError, error_response
+from orchestrator.metrics import FrontendMetrics
+from orchestrator.pool import WorkerPool
+from orchestrator.service import InferenceService
+from router import Router
+from workers.discovery import Discovery, InMemoryDiscovery, RedisDiscovery
+
+__all__ = ["create_app", "make_discovery"]
+
+log = logging.getLogger("kvyard.frontend")
+
+
+def make_discovery(cfg: FrontendConfig) -> Discovery:
+    if cfg.redis_url:
+        return RedisDiscovery(cfg.redis_url, prefix=cfg.discovery_prefix)
+    return InMemoryDiscovery()
+
+
+def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastAPI:
+    discovery = discovery or make_discovery(cfg)
+    metrics = FrontendMetrics()
+    router = Router(cfg.policy)
+    pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s)
+    service = InferenceService(cfg, pool, router, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.close()
+            await service.close()
+
+    app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan)
+    app.state.cfg, app.state.pool, app.state.router, app.state.metrics = cfg, pool, router, metrics
+
+    @app.exception_handler(KvyardError)
+    async def _kvyard_error(request: Request, exc: KvyardError) -> Response:
+        metrics.requests.labels("", request.url.path, str(exc.status)).inc()
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(BadRequestError(str(exc.errors()[:1])))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(ModelNotFoundError(f"no route {request.method} {request.url.path}", code="not_found"))
+        err = KvyardError(str(exc.detail))
+        err.status, err.type, err.code = exc.status_code, "invalid_request_error", None
+        return error_response(err)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.handle(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await service.handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = []
+        for name in pool.models():
+            info = pool.info_for(name)
+            data.append({"id": name, "object": "model", "created": int(info.started_at if info else time.time()),
+                         "owned_by": "kvyard", "root": name, "parent": None,
+                         "max_model_len": info.max_model_len if info else None})
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/live")
+    async def live() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready = sum(1 for w in pool.workers.values() if w.info.state.value == "ready")
+        body = {"status": "ok" if ready else "no_workers", "workers": len(pool.workers), "ready": ready,
+                "discovery": "ok" if pool.discovery_ok else "unreachable"}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        for key in list(metrics.workers._metrics):  # re-derive the worker gauge from the live view
+            metrics.workers.remove(*key)
+        for w in pool.workers.values():
+            metrics.workers.labels(w.info.model, w.info.state.value).inc()
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> Response:
+        return HTMLResponse(resources.files("orchestrator").joinpath("static/dashboard.html").read_text())
+
+    @app.get("/api/cluster")
+    async def cluster() -> Response:
+        workers = []
+        for w in sorted(pool.workers.values(), key=lambda w: w.info.worker_id):
+            ld = router.loads.load(w.info.worker_id)
+            m = w.metrics
+            workers.append({
+                "worker_id": w.info.worker_id, "model": w.info.model, "backend": w.info.backend, "role": w.info.role.value,
+                "state": w.info.state.value, "inflight": ld.inflight_requests, "prefill_tokens": ld.prefill_tokens,
+                "running": m.num_requests_running if m else None, "waiting": m.num_requests_waiting if m else None,
+                "kv_usage": m.kv_cache_usage if m else None,
+                "prefix_hit_rate": (m.prefix_cache_hits / m.prefix_cache_queries) if m and m.prefix_cache_queries else None,
+                "generation_tokens": m.generation_tokens if m else None,
+            })
+        return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers})
+
+    return app

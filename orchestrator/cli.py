@@ -1,0 +1,193 @@
+"""`kvyard` command line: up | worker | frontend. The only place that reads flags, env and YAML.
+
+    kvyard up        local cluster of engines (default: 2 simulated workers) behind the frontend
+    kvyard worker    one engine, registered in Redis under a lease, drained on SIGTERM
+    kvyard frontend  the OpenAI endpoint, discovering workers from Redis
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+import uvicorn
+
+from orchestrator.config import ClusterConfig, FrontendConfig, load_yaml
+from router import policy_names
+from workers.types import WorkerRole
+
+__all__ = ["main"]
+
+log = logging.getLogger("kvyard")
+
+
+def _setup_logging(level: str) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=level.upper(), format="%(name)s: %(message)s", datefmt="[%X]",
+                        handlers=[RichHandler(show_path=False, rich_tracebacks=True)])
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _frontend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--policy", default="round-robin", choices=policy_names())
+    p.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL"))
+    p.add_argument("--config", help="YAML file with the same keys as the flags (flags win)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvyard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--log-level", default=os.environ.get("KVYARD_LOG_LEVEL", "info"))
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run a local cluster behind the frontend")
+    _frontend_args(up)
+    up.add_argument("--workers", type=int, default=2)
+    up.add_argument("--backend", default="sim", choices=["sim", "vllm"])
+    up.add_argument("--model", default=None, help="sim: profile name (default h200-llama3.1-8b); vllm: model directory")
+    up.add_argument("--served-model-name", default=None)
+    up.add_argument("--base-port", type=int, default=8100)
+    up.add_argument("--block-size", type=int, default=None)
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--speedup", type=float, default=1.0, help="sim only: divide simulated step times by this")
+
+    wk = sub.add_parser("worker", help="run one engine and register it")
+    wk.add_argument("--backend", required=True, choices=["sim", "vllm"])
+    wk.add_argument("--model", required=True)
+    wk.add_argument("--served-model-name", required=True)
+    wk.add_argument("--role", default="both", choices=[r.value for r in WorkerRole])
+    wk.add_argument("--host", default="127.0.0.1", help="engine bind host")
+    wk.add_argument("--advertise-host", default=None, help="host frontends use to reach this engine")
+    wk.add_argument("--port", type=int, default=8100)
+    wk.add_argument("--kv-events-port", type=int, default=None, help="default: port + 1000")
+    wk.add_argument("--block-size", type=int, default=16)
+    wk.add_argument("--max-model-len", type=int, default=4096)
+    wk.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    wk.add_argument("--lease-ttl", type=float, default=6.0)
+    wk.add_argument("--drain-timeout", type=float, default=60.0)
+    wk.add_argument("--engine-python", default=None, help="interpreter of the engine's own environment")
+    wk.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: passed to the engine")
+
+    fe = sub.add_parser("frontend", help="run the OpenAI frontend over workers in Redis")
+    _frontend_args(fe)
+    return ap
+
+
+def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
+    data = load_yaml(ns.config).get("frontend", {}) if getattr(ns, "config", None) else {}
+    data.update(host=ns.host, port=ns.port, policy=ns.policy, redis_url=ns.redis_url)
+    return FrontendConfig(**data)
+
+
+async def _serve(app, cfg: FrontendConfig) -> uvicorn.Server:
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                                           timeout_keep_alive=30, backlog=4096))
+    server.install_signal_handlers = lambda: None  # we own SIGINT/SIGTERM
+    return server
+
+
+async def _run_up(ns: argparse.Namespace) -> int:
+    from orchestrator.app import create_app, make_discovery
+    from orchestrator.launcher import LocalCluster
+
+    fcfg = _frontend_config(ns)
+    data = load_yaml(ns.config) if ns.config else {}
+    data.pop("frontend", None)
+    overrides = {k: v for k, v in {
+        "workers": ns.workers, "backend": ns.backend, "model": ns.model, "served_model_name": ns.served_model_name,
+        "base_port": ns.base_port, "block_size": ns.block_size, "max_model_len": ns.max_model_len, "speedup": ns.speedup,
+    }.items() if v is not None}
+    if ns.backend == "vllm":
+        overrides.setdefault("block_size", 32)
+        overrides.setdefault("max_model_len", 512)
+        overrides.setdefault("served_model_name", "tiny")
+        if "model" not in overrides:
+            raise SystemExit("kvyard up --backend vllm needs --model <model directory>")
+    ccfg = ClusterConfig(frontend=fcfg, **{**data, **overrides})
+    discovery = make_discovery(fcfg)
+    cluster = LocalCluster(ccfg, discovery)
+    log.info("starting %d %s workers…", ccfg.workers, ccfg.backend)
+    await cluster.start()
+    app = create_app(fcfg, discovery)
+    server = await _serve(app, fcfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    serve_task = asyncio.create_task(server.serve())
+    while not server.started and not serve_task.done():
+        await asyncio.sleep(0.05)
+    base = f"http://{fcfg.host}:{fcfg.port}"
+    print(f"\nkvyard is up: {ccfg.workers} × {ccfg.backend} serving model '{ccfg.served_model_name}'\n"
+          f"  OpenAI endpoint  {base}/v1\n  dashboard        {base}/dashboard\n  metrics          {base}/metrics\n"
+          f"  engine logs      {ccfg.log_dir}/\nPress Ctrl-C to stop.", flush=True)
+    await asyncio.wait({serve_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True
+    await serve_task
+    await cluster.stop()
+    await discovery.close()
+    return 0
+
+
+async def _run_worker(ns: argparse.Namespace) -> int:
+    from orchestrator.launcher import default_tokenizer
+    from workers.discovery import RedisDiscovery
+    from workers.registry import get_backend
+    from workers.types import EngineLaunchConfig
+    from workers.worker import WorkerOptions, WorkerSupervisor
+
+    kv_port = ns.kv_events_port or ns.port + 1000
+    extra = [a for a in ns.engine_args if a != "--"]
+    cfg = EngineLaunchConfig(model=ns.model, served_model_name=ns.served_model_name, host=ns.host, port=ns.port,
+                             block_size=ns.block_size, max_model_len=ns.max_model_len,
+                             kv_events_endpoint=f"tcp://*:{kv_port}", kv_replay_endpoint=f"tcp://*:{kv_port + 1}",
+                             python=ns.engine_python, extra_args=extra)
+    discovery = RedisDiscovery(ns.redis_url)
+    sup = WorkerSupervisor(get_backend(ns.backend), cfg, discovery, WorkerOptions(
+        role=WorkerRole(ns.role), lease_ttl_s=ns.lease_ttl, drain_timeout_s=ns.drain_timeout,
+        advertise_host=ns.advertise_host or ns.host, tokenizer=default_tokenizer(ns.backend, ns.model)))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, sup.request_stop)
+    try:
+        await sup.start()
+    except BaseException:
+        await sup.shutdown(drain=False)
+        raise
+    print(f"worker {sup.worker_id} ready at {sup.info.url}", flush=True)
+    code = await sup.run()
+    await discovery.close()
+    return code
+
+
+async def _run_frontend(ns: argparse.Namespace) -> int:
+    from orchestrator.app import create_app
+
+    cfg = _frontend_config(ns)
+    server = await _serve(create_app(cfg), cfg)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    print(f"kvyard frontend on http://{cfg.host}:{cfg.port}/v1 (discovery: {cfg.redis_url or 'in-memory'})", flush=True)
+    await server.serve()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _build_parser().parse_args(argv)
+    _setup_logging(ns.log_level)
+    runner = {"up": _run_up, "worker": _run_worker, "frontend": _run_frontend}[ns.command]
+    try:
+        return asyncio.run(runner(ns))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""kvyard's exception hierarchy, and the one place that turns errors into OpenAI error JSON.
+
+    KvyardError (500 internal_error)
+    ├── BadRequestError          400 invalid_request_error
+    │   └── ContextLengthError   400 invalid_request_error / context_length_exceeded
+    ├── AuthenticationError      401 authentication_error
+    ├── ModelNotFoundError       404 not_found_error / model_not_found
+    ├── PayloadTooLargeError     413 invalid_request_error / payload_too_large
+    ├── RateLimitError           429 rate_limit_error (Retry-After)
+    ├── ServiceUnavailableError  503 service_unavailable (Retry-After)
+    └── UpstreamError            502 upstream_error (an engine failed and no other could serve)
+
+Third-party errors (httpx, redis, pydantic) are translated where they happen (`raise X from exc`).
+Body: {"error": {"message", "type", "param", "code"}} — the shape the OpenAI clients parse.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.responses import Response
+
+__all__ = [
+    "KvyardError",
+    "BadRequestError",
+    "ContextLengthError",
+    "AuthenticationError",
+    "ModelNotFoundError",
+    "PayloadTooLargeError",
+    "RateLimitError",
+    "ServiceUnavailableError",
+    "UpstreamError",
+    "error_response",
+    "error_body",
+]
+
+
+class KvyardError(Exception):
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+
+
+class BadRequestError(KvyardError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthError(BadRequestError):
+    code = "context_length_exceeded"
+
+
+class AuthenticationError(KvyardError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFoundError(KvyardError):
+    status = 404
+    type = "not_found_error"
+    code = "model_not_found"
+
+
+class PayloadTooLargeError(KvyardError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class RateLimitError(KvyardError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+
+class ServiceUnavailableError(KvyardError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_capacity"
+
+
+class UpstreamError(KvyardError):
+    status = 502
+    type = "upstream_error"
+    code = "engine_failed"
+
+
+def error_body(exc: KvyardError) -> dict:
+    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+
+
+def error_response(exc: KvyardError) -> Response:
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(round(exc.retry_after))))
+    return Response(json.dumps(error_body(exc)), status_code=exc.status, media_type="application/json", headers=headers)

@@ -1,0 +1,123 @@
+"""The frontend's live view of the workers: discovery refresh + engine metric scrapes.
+
+Two loops (observe only; the router decides):
+  refresh: every refresh_interval_s, list workers from discovery; new ones join, vanished ones
+           (lease lapsed or deregistered) leave routing and the router forgets their load.
+           If discovery is unreachable the last known view is kept.
+  scrape:  every scrape_interval_s, GET each engine's metrics endpoint and keep the normalised
+           snapshot (waiting queue, KV usage) for the load scorers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+from router import Endpoint, EndpointLoad, Router
+from workers.discovery import Discovery, DiscoveryError
+from workers.registry import get_backend
+from workers.types import EngineMetrics, WorkerInfo, WorkerState
+
+__all__ = ["WorkerPool", "LiveWorker"]
+
+log = logging.getLogger("kvyard.pool")
+
+
+@dataclass(slots=True)
+class LiveWorker:
+    info: WorkerInfo
+    metrics: EngineMetrics | None = None
+    scrape_errors: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class WorkerPool:
+    def __init__(self, discovery: Discovery, router: Router, refresh_interval_s: float = 1.0, scrape_interval_s: float = 1.0) -> None:
+        self.discovery = discovery
+        self.router = router
+        self.refresh_interval_s = refresh_interval_s
+        self.scrape_interval_s = scrape_interval_s
+        self.workers: dict[str, LiveWorker] = {}
+        self.known_models: set[str] = set()
+        self.discovery_ok = True
+        self._tasks: list[asyncio.Task] = []
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._tasks = [asyncio.create_task(self._loop(self.refresh, self.refresh_interval_s)),
+                       asyncio.create_task(self._loop(self.scrape, self.scrape_interval_s))]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._client.aclose()
+
+    async def _loop(self, fn, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await fn()
+            except Exception:  # a loop must outlive any one bad round
+                log.exception("%s failed", fn.__name__)
+
+    async def refresh(self) -> None:
+        try:
+            infos = await self.discovery.list_workers()
+        except DiscoveryError as exc:
+            if self.discovery_ok:
+                log.warning("discovery unreachable, serving the last known %d workers: %s", len(self.workers), exc)
+            self.discovery_ok = False
+            return
+        self.discovery_ok = True
+        seen = {i.worker_id for i in infos}
+        for wid in [w for w in self.workers if w not in seen]:
+            log.info("worker %s left", wid)
+            del self.workers[wid]
+            self.router.remove_worker(wid)
+        for info in infos:
+            live = self.workers.get(info.worker_id)
+            if live is None:
+                log.info("worker %s joined: %s %s at %s", info.worker_id, info.backend, info.model, info.url)
+                self.workers[info.worker_id] = LiveWorker(info)
+            else:
+                live.info = info
+            self.known_models.add(info.model)
+
+    async def _scrape_one(self, live: LiveWorker) -> None:
+        try:
+            r = await self._client.get(live.info.url + "/metrics")
+            live.metrics = get_backend(live.info.backend).parse_metrics(r.text)
+            live.scrape_errors = 0
+        except (httpx.HTTPError, KeyError) as exc:
+            live.scrape_errors += 1
+            if live.scrape_errors == 3:
+                log.warning("cannot scrape %s: %s", live.info.worker_id, exc)
+
+    async def scrape(self) -> None:
+        await asyncio.gather(*(self._scrape_one(w) for w in list(self.workers.values())))
+
+    def models(self) -> list[str]:
+        return sorted({w.info.model for w in self.workers.values()})
+
+    def ready(self, model: str) -> list[LiveWorker]:
+        return [w for w in self.workers.values() if w.info.model == model and w.info.state == WorkerState.READY]
+
+    def endpoints(self, model: str) -> list[Endpoint]:
+        out = []
+        for w in self.ready(model):
+            m = w.metrics
+            load = EndpointLoad(engine_waiting=m.num_requests_waiting, engine_kv_usage=m.kv_cache_usage) if m else EndpointLoad()
+            out.append(Endpoint(worker_id=w.info.worker_id, url=w.info.url, model=model, block_size=w.info.block_size, role=w.info.role.value, load=load))
+        return out
+
+    def info_for(self, model: str) -> WorkerInfo | None:
+        """Any worker's registration for the model (tokenizer path, context length)."""
+        for w in self.workers.values():
+            if w.info.model == model:
+                return w.info
+        return None

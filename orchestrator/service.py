@@ -1,0 +1,256 @@
+"""The inference path: validate -> tokenize -> route -> dispatch (with failover) -> relay.
+
+    handle(request, kind)
+      body  = read (413 past max_body_bytes) and validate (400 naming the field)
+      model = must be served by some registered worker (404), with a ready one (503 + Retry-After)
+      ids   = prompt tokens (chat template applied); longer than the context -> 400
+      plan  = router.route(ids, live endpoints) -> endpoints ranked best first
+      send  = POST to the best; on connection error or 5xx *before any byte reached the client*,
+              book the next-ranked one and try again (max_attempts); then 503
+      relay = SSE event by event (streaming) or the JSON body; the router hears first token and
+              completion on every path, including client disconnect (which aborts the engine request)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import httpx
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from orchestrator.config import FrontendConfig
+from orchestrator.errors import (
+    BadRequestError,
+    ContextLengthError,
+    KvyardError,
+    ModelNotFoundError,
+    PayloadTooLargeError,
+    ServiceUnavailableError,
+)
+from orchestrator.metrics import FrontendMetrics
+from orchestrator.pool import WorkerPool
+from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from orchestrator.streaming import StreamStats, relay_sse, sse_error_event
+from orchestrator.tokenizer import load_tokenizer
+from router import Endpoint, NoEndpointsError, RouteRequest, Router
+from workers.types import WorkerInfo
+
+__all__ = ["InferenceService"]
+
+log = logging.getLogger("kvyard.frontend")
+
+_KINDS = {
+    "completions": ("/v1/completions", CompletionRequest),
+    "chat": ("/v1/chat/completions", ChatCompletionRequest),
+}
+
+
+class InferenceService:
+    def __init__(self, cfg: FrontendConfig, pool: WorkerPool, router: Router, metrics: FrontendMetrics) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.router = router
+        self.metrics = metrics
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.stream_idle_timeout_s, write=30.0, pool=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=2048),
+        )
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    # ---- request admission -------------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(f"request body is {declared} bytes; the limit is {limit}")
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect as exc:
+            raise BadRequestError("client disconnected while sending the body") from exc
+        return b"".join(chunks)
+
+    def _prompt_ids(self, req, info: WorkerInfo) -> list[int]:
+        if not info.tokenizer:
+            return []
+        tok = load_tokenizer(info.tokenizer)
+        if isinstance(req, ChatCompletionRequest):
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            return tok.encode_chat(msgs)
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            return tok.encode(prompt)
+        if isinstance(prompt[0], int):
+            return list(prompt)
+        if isinstance(prompt[0], list):
+            return max(prompt, key=len)
+        return max((tok.encode(p) for p in prompt), key=len)
+
+    def _check_lengths(self, req, ids: list[int], info: WorkerInfo) -> None:
+        ctx = info.max_model_len
+        if len(ids) > ctx:
+            raise ContextLengthError(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt has {len(ids)} tokens. "
+                "Please reduce the length of the prompt.",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            )
+        want = req.requested_max_tokens()
+        if want is not None and want + len(ids) > ctx:
+            raise ContextLengthError(
+                f"max_tokens={want} is too large: with {len(ids)} prompt tokens the total exceeds the model's "
+                f"maximum context length of {ctx} tokens.",
+                param="max_tokens",
+            )
+
+    # ---- the request path --------------------------------------------------------------------
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        t0 = time.perf_counter()
+        path, model_cls = _KINDS[kind]
+        req, body = parse_request(await self._read_body(request), model_cls)
+        info = self.pool.info_for(req.model)
+        if info is None:
+            raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
+        ids = self._prompt_ids(req, info)
+        self._check_lengths(req, ids, info)
+        endpoints = self.pool.endpoints(req.model)
+        rid = request.headers.get("x-request-id") or f"kvy-{uuid.uuid4().hex}"
+        rreq = RouteRequest(request_id=rid, model=req.model, token_ids=ids, max_tokens=req.requested_max_tokens() or 0)
+        try:
+            decision = self.router.route(rreq, endpoints)
+        except NoEndpointsError as exc:
+            raise ServiceUnavailableError(f"no worker is ready to serve `{req.model}`; retry shortly", retry_after=self.cfg.retry_after_s) from exc
+        self.metrics.decision_time.observe(self.router.last_decision_s)
+        self.metrics.isl.labels(req.model).observe(len(ids))
+        if req.stream:
+            body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+        payload = json.dumps(body).encode()
+        self.metrics.inflight.labels(req.model).inc()
+        try:
+            ep, resp = await self._send(rreq, decision.ranked, path, payload, req.stream)
+        except BaseException:
+            self._finish(rreq, t0, "error")
+            raise
+        self.metrics.routed.labels(req.model, ep.worker_id, decision.policy).inc()
+        headers = {"x-request-id": rid, "x-kvyard-worker": ep.worker_id}
+        if resp.status_code >= 400:  # the engine refused the request (client error): pass it on as is
+            body_bytes = await resp.aread()
+            await resp.aclose()
+            self._finish(rreq, t0, str(resp.status_code))
+            return Response(body_bytes, status_code=resp.status_code, media_type="application/json", headers=headers)
+        if req.stream:
+            return StreamingResponse(
+                self._stream(rreq, resp, req.include_usage, t0),
+                media_type="text/event-stream; charset=utf-8",
+                headers={**headers, "cache-control": "no-cache"},
+            )
+        return await self._unary(request, rreq, resp, t0, headers)
+
+    async def _send(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes, stream: bool):
+        """POST to the ranked engines in turn until one answers below 500."""
+        last_error = "no engine answered"
+        timeout = httpx.Timeout(
+            connect=self.cfg.connect_timeout_s,
+            read=self.cfg.stream_idle_timeout_s if stream else self.cfg.first_byte_timeout_s,
+            write=30.0,
+            pool=self.cfg.connect_timeout_s,
+        )
+        for attempt, ep in enumerate(ranked[: self.cfg.max_attempts]):
+            if attempt:
+                self.metrics.retries.labels(rreq.model).inc()
+                self.router.on_complete(rreq.request_id)
+                self.router.book(rreq, ep)
+            http_req = self.client.build_request(
+                "POST", ep.url + path, content=payload, timeout=timeout,
+                headers={"content-type": "application/json", "x-request-id": rreq.request_id},
+            )
+            try:
+                resp = await self.client.send(http_req, stream=True)
+            except httpx.HTTPError as exc:
+                last_error = f"{ep.worker_id}: {type(exc).__name__}: {exc}"
+                log.warning("engine %s failed before answering %s: %s", ep.worker_id, rreq.request_id, last_error)
+                continue
+            if resp.status_code >= 500:
+                last_error = f"{ep.worker_id}: HTTP {resp.status_code}"
+                await resp.aclose()
+                continue
+            return ep, resp
+        raise ServiceUnavailableError(f"no engine could serve the request ({last_error})", retry_after=self.cfg.retry_after_s)
+
+    async def _stream(self, rreq: RouteRequest, resp: httpx.Response, forward_usage: bool, t0: float):
+        stats = StreamStats()
+        model = rreq.model
+        itl = self.metrics.itl.labels(model)
+        status = "ok"
+
+        def first_token() -> None:
+            self.router.on_first_token(rreq.request_id)
+            self.metrics.ttft.labels(model).observe(time.perf_counter() - t0)
+
+        try:
+            async for out in relay_sse(resp.aiter_raw(), stats, forward_usage, first_token, itl.observe):
+                yield out
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            status = "engine_error"
+            log.warning("stream %s broke: %s: %s", rreq.request_id, type(exc).__name__, exc)
+            yield sse_error_event(f"the engine stream failed: {type(exc).__name__}")
+        except BaseException:  # client went away (CancelledError / GeneratorExit): abort upstream
+            status = "cancelled"
+            raise
+        finally:
+            await resp.aclose()
+            if stats.usage:
+                self.metrics.osl.labels(model).observe(stats.usage.get("completion_tokens", 0))
+            self._finish(rreq, t0, status)
+
+    async def _unary(self, request: Request, rreq: RouteRequest, resp: httpx.Response, t0: float, headers: dict) -> Response:
+        read = asyncio.ensure_future(resp.aread())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:  # client left: drop the engine connection so the engine aborts
+                read.cancel()
+                self._finish(rreq, t0, "cancelled")
+                return Response(status_code=499)
+            content = read.result()
+        except httpx.HTTPError as exc:
+            self._finish(rreq, t0, "engine_error")
+            raise ServiceUnavailableError(f"the engine failed mid-response: {type(exc).__name__}", retry_after=self.cfg.retry_after_s) from exc
+        finally:
+            gone.cancel()
+            await resp.aclose()
+        self.router.on_first_token(rreq.request_id)
+        try:
+            usage = json.loads(content).get("usage") or {}
+            self.metrics.osl.labels(rreq.model).observe(usage.get("completion_tokens", 0))
+        except (ValueError, AttributeError):
+            pass
+        self._finish(rreq, t0, "ok")
+        return Response(content, status_code=resp.status_code, media_type="application/json", headers=headers)
+
+    def _finish(self, rreq: RouteRequest, t0: float, status: str) -> None:
+        self.router.on_complete(rreq.request_id)
+        self.metrics.inflight.labels(rreq.model).dec()
+        self.metrics.duration.labels(rreq.model).observe(time.perf_counter() - t0)
+        self.metrics.requests.labels(rreq.model, "generate", status).inc()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+

@@ -1,0 +1,77 @@
+"""Relay an engine's SSE stream to the client, event by event, measuring as it goes.
+
+The frontend always asks the engine for `stream_options.include_usage` so it learns exact token
+counts; the usage-only chunk (`"choices":[]`) is passed on only if the client asked for it.
+Events are split on the blank line that ends each SSE event; everything else is forwarded as the
+engine wrote it (no re-encoding on the token path).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+__all__ = ["StreamStats", "relay_sse", "sse_error_event"]
+
+_DONE = b"data: [DONE]"
+
+
+@dataclass(slots=True)
+class StreamStats:
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    content_events: int = 0
+    usage: dict | None = None
+    gaps: list[float] | None = None
+
+
+def _is_usage_event(ev: bytes) -> bool:
+    return b'"usage"' in ev and (b'"choices":[]' in ev or b'"choices": []' in ev)
+
+
+def sse_error_event(message: str, code: int = 503) -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n" + _DONE + b"\n\n"
+
+
+async def relay_sse(
+    chunks: AsyncIterator[bytes],
+    stats: StreamStats,
+    forward_usage: bool,
+    on_first_token: Callable[[], None],
+    on_gap: Callable[[float], None],
+) -> AsyncIterator[bytes]:
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        if b"\n\n" not in buf:
+            continue
+        *events, buf = buf.split(b"\n\n")
+        out: list[bytes] = []
+        now = time.perf_counter()
+        for ev in events:
+            if not ev:
+                continue
+            if ev.startswith(b"data: {") and _is_usage_event(ev):
+                try:
+                    stats.usage = json.loads(ev[6:])["usage"]
+                except (ValueError, KeyError, TypeError):
+                    pass
+                if forward_usage:
+                    out.append(ev)
+                continue
+            if ev != _DONE and ev.startswith(b"data: "):
+                if stats.first_token_at is None:
+                    stats.first_token_at = now
+                    on_first_token()
+                else:
+                    on_gap(now - stats.last_token_at)
+                stats.last_token_at = now
+                stats.content_events += 1
+            out.append(ev)
+        if out:
+            yield b"\n\n".join(out) + b"\n\n"
+    if buf.strip():
+        yield buf

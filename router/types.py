@@ -1,0 +1,58 @@
+"""Request and endpoint types the router works on. Plain data; no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["RouteRequest", "Endpoint", "EndpointLoad", "RoutingDecision"]
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """One request as the router sees it (built by the frontend after tokenizing)."""
+
+    request_id: str
+    model: str
+    token_ids: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+    lora_name: str | None = None
+
+    @property
+    def isl(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class EndpointLoad:
+    """Predicted load on one endpoint: the router's own bookkeeping plus the last engine scrape."""
+
+    inflight_requests: int = 0
+    prefill_tokens: int = 0  # prompt tokens routed here whose first token has not come back yet
+    active_blocks: int = 0  # KV blocks held by requests in flight here (prompt + generated so far)
+    engine_waiting: float = 0.0  # vllm:num_requests_waiting at the last scrape
+    engine_kv_usage: float = 0.0  # 0..1 at the last scrape
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """A routable engine: identity from the registry, load from the router."""
+
+    worker_id: str
+    url: str
+    model: str
+    block_size: int = 16
+    role: str = "both"
+    load: EndpointLoad = field(default_factory=EndpointLoad)
+
+
+@dataclass(slots=True)
+class RoutingDecision:
+    """Endpoints ranked best first; the caller tries them in order (failover without asking again)."""
+
+    ranked: list[Endpoint]
+    scores: dict[str, float]
+    policy: str
+
+    @property
+    def best(self) -> Endpoint:
+        return self.ranked[0]

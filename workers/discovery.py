@@ -1,0 +1,155 @@
+"""Worker discovery: where workers register under a lease and frontends find them.
+
+Protocol `Discovery` with two implementations: `InMemoryDiscovery` (the embedded default of
+`kvyard up`, and unit tests) and `RedisDiscovery` (a real cluster). Both pass the same contract tests.
+
+Redis schema (prefix defaults to "kvyard"):
+    {prefix}:worker:{worker_id}   STRING  WorkerInfo as JSON, with PX = lease ttl (expires by itself)
+    {prefix}:workers              SET     worker ids ever registered and not deregistered
+A lease is renewed by re-setting the key's expiry; a worker whose process dies stops renewing and
+its key expires, so `list_workers` stops returning it within one ttl. Stale set members are pruned
+when listed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, runtime_checkable
+
+from workers.types import WorkerInfo, WorkerState
+
+__all__ = ["Discovery", "DiscoveryError", "InMemoryDiscovery", "RedisDiscovery"]
+
+
+class DiscoveryError(RuntimeError):
+    """The discovery backend could not be reached; callers keep their last known view."""
+
+
+@runtime_checkable
+class Discovery(Protocol):
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        """Called once when an engine is healthy; the entry lives ttl_s unless renewed."""
+        ...
+
+    async def renew(self, worker_id: str, ttl_s: float) -> bool:
+        """Called every few seconds by the worker; False if the lease was already gone."""
+        ...
+
+    async def set_state(self, worker_id: str, state: WorkerState) -> None:
+        """Called when a worker starts draining (no new requests) and similar transitions."""
+        ...
+
+    async def deregister(self, worker_id: str) -> None:
+        """Called on orderly shutdown after draining."""
+        ...
+
+    async def list_workers(self) -> list[WorkerInfo]:
+        """Called by frontends on each refresh: every worker whose lease is live."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class InMemoryDiscovery:
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[WorkerInfo, float]] = {}
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        self._entries[info.worker_id] = (info.model_copy(), time.monotonic() + ttl_s)
+
+    async def renew(self, worker_id: str, ttl_s: float) -> bool:
+        entry = self._entries.get(worker_id)
+        if entry is None or entry[1] < time.monotonic():
+            return False
+        self._entries[worker_id] = (entry[0], time.monotonic() + ttl_s)
+        return True
+
+    async def set_state(self, worker_id: str, state: WorkerState) -> None:
+        if worker_id in self._entries:
+            info, exp = self._entries[worker_id]
+            self._entries[worker_id] = (info.model_copy(update={"state": state}), exp)
+
+    async def deregister(self, worker_id: str) -> None:
+        self._entries.pop(worker_id, None)
+
+    async def list_workers(self) -> list[WorkerInfo]:
+        now = time.monotonic()
+        for wid in [w for w, (_, exp) in self._entries.items() if exp < now]:
+            del self._entries[wid]
+        return [info.model_copy() for info, _ in self._entries.values()]
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisDiscovery:
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvyard") -> None:
+        import redis.asyncio as aioredis
+
+        self._redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._prefix = prefix
+
+    def _key(self, worker_id: str) -> str:
+        return f"{self._prefix}:worker:{worker_id}"
+
+    @property
+    def _set(self) -> str:
+        return f"{self._prefix}:workers"
+
+    async def _call(self, coro):
+        import redis.exceptions
+
+        try:
+            return await coro
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            raise DiscoveryError(f"redis unavailable: {exc}") from exc
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(self._key(info.worker_id), info.model_dump_json(), px=int(ttl_s * 1000))
+        pipe.sadd(self._set, info.worker_id)
+        await self._call(pipe.execute())
+
+    async def renew(self, worker_id: str, ttl_s: float) -> bool:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.pexpire(self._key(worker_id), int(ttl_s * 1000))
+        pipe.sadd(self._set, worker_id)  # heals a concurrent prune by a frontend
+        alive, _ = await self._call(pipe.execute())
+        if not alive:
+            await self._call(self._redis.srem(self._set, worker_id))
+        return bool(alive)
+
+    async def set_state(self, worker_id: str, state: WorkerState) -> None:
+        raw = await self._call(self._redis.get(self._key(worker_id)))
+        if raw is None:
+            return
+        info = WorkerInfo.model_validate_json(raw).model_copy(update={"state": state})
+        await self._call(self._redis.set(self._key(worker_id), info.model_dump_json(), keepttl=True))
+
+    async def deregister(self, worker_id: str) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self._key(worker_id))
+        pipe.srem(self._set, worker_id)
+        await self._call(pipe.execute())
+
+    async def list_workers(self) -> list[WorkerInfo]:
+        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await self._call(self._redis.smembers(self._set)))
+        if not ids:
+            return []
+        raws = await self._call(self._redis.mget([self._key(w) for w in ids]))
+        out: list[WorkerInfo] = []
+        gone: list[str] = []
+        for wid, raw in zip(ids, raws):
+            if raw is None:
+                gone.append(wid)
+                continue
+            try:
+                out.append(WorkerInfo.model_validate_json(raw))
+            except ValueError:
+                gone.append(wid)  # unreadable entry: treat as absent
+        if gone:
+            await self._call(self._redis.srem(self._set, *gone))
+        return out
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,142 @@
+"""The worker process: one engine, registered under a lease, drained on shutdown.
+
+Lifecycle (`kvyard worker`, and each worker of `kvyard up`):
+    start engine -> wait healthy -> register(info, ttl) -> renew every ttl/3
+    SIGTERM -> state=draining (frontends stop sending) -> wait until the engine has nothing running
+            (or drain_timeout) -> deregister -> stop engine
+If the engine dies, the worker deregisters at once and exits non-zero. If discovery is unreachable,
+the worker keeps serving and keeps retrying the renewal; the lease is re-created when it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+
+from workers.backend import Backend
+from workers.discovery import Discovery, DiscoveryError
+from workers.process import EngineProcess
+from workers.types import EngineLaunchConfig, WorkerInfo, WorkerRole, WorkerState
+
+__all__ = ["WorkerSupervisor", "WorkerOptions"]
+
+log = logging.getLogger("kvyard.worker")
+
+
+@dataclass(slots=True)
+class WorkerOptions:
+    role: WorkerRole = WorkerRole.BOTH
+    lease_ttl_s: float = 6.0
+    drain_timeout_s: float = 60.0
+    start_timeout_s: float = 180.0
+    advertise_host: str | None = None  # host frontends use to reach the engine (default: cfg.host)
+    tokenizer: str | None = None
+    worker_id: str | None = None
+    log_path: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+class WorkerSupervisor:
+    def __init__(self, backend: Backend, cfg: EngineLaunchConfig, discovery: Discovery, opts: WorkerOptions) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.discovery = discovery
+        self.opts = opts
+        self.worker_id = opts.worker_id or f"{backend.name}-{uuid.uuid4().hex[:8]}"
+        self.engine = EngineProcess(backend, cfg, opts.log_path)
+        self.info: WorkerInfo | None = None
+        self._stop = asyncio.Event()
+
+    def _endpoint_for_clients(self, endpoint: str | None) -> str | None:
+        if not endpoint:
+            return None
+        host = self.opts.advertise_host or self.cfg.host
+        return endpoint.replace("*", host)
+
+    def build_info(self) -> WorkerInfo:
+        host = self.opts.advertise_host or self.cfg.host
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            model=self.cfg.served_model_name,
+            backend=self.backend.name,
+            role=self.opts.role,
+            url=f"http://{host}:{self.cfg.port}",
+            block_size=self.cfg.block_size,
+            max_model_len=self.cfg.max_model_len,
+            tokenizer=self.opts.tokenizer,
+            kv_events_endpoint=self._endpoint_for_clients(self.cfg.kv_events_endpoint),
+            kv_replay_endpoint=self._endpoint_for_clients(self.cfg.kv_replay_endpoint),
+            kv_events_topic=self.cfg.kv_events_topic,
+            labels=dict(self.opts.labels),
+        )
+
+    async def start(self) -> WorkerInfo:
+        """Start the engine and register it once healthy."""
+        self.engine.start()
+        await self.engine.wait_healthy(self.opts.start_timeout_s)
+        self.info = self.build_info()
+        await self.discovery.register(self.info, self.opts.lease_ttl_s)
+        log.info("worker %s registered: %s %s at %s", self.worker_id, self.backend.name, self.info.model, self.info.url)
+        return self.info
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> int:
+        """Keep the lease alive until stop is requested or the engine dies. Returns an exit code."""
+        interval = self.opts.lease_ttl_s / 3
+        code = 0
+        while not self._stop.is_set():
+            if self.engine.returncode is not None:
+                log.error("engine of %s exited with %s:\n%s", self.worker_id, self.engine.returncode, self.engine.log_tail())
+                code = 1
+                break
+            await self._renew()
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=interval)
+            except asyncio.TimeoutError:
+                pass
+        await self.shutdown(drain=code == 0)
+        return code
+
+    async def _renew(self) -> None:
+        assert self.info is not None
+        try:
+            if not await self.discovery.renew(self.worker_id, self.opts.lease_ttl_s):
+                log.warning("lease of %s had lapsed; registering again", self.worker_id)
+                await self.discovery.register(self.info, self.opts.lease_ttl_s)
+        except DiscoveryError as exc:
+            log.warning("cannot renew lease of %s (will retry): %s", self.worker_id, exc)
+
+    async def _inflight(self, client: httpx.AsyncClient) -> float:
+        try:
+            r = await client.get(self.engine.url + "/metrics")
+            m = self.backend.parse_metrics(r.text)
+            return m.num_requests_running + m.num_requests_waiting
+        except httpx.HTTPError:
+            return 0.0
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """Drain (state=draining, wait for in-flight to finish), deregister, stop the engine."""
+        if self.info is not None and drain:
+            try:
+                await self.discovery.set_state(self.worker_id, WorkerState.DRAINING)
+            except DiscoveryError as exc:
+                log.warning("cannot mark %s draining: %s", self.worker_id, exc)
+            deadline = time.monotonic() + self.opts.drain_timeout_s
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                # frontends refresh their view about once a second: give them time to stop routing here
+                await asyncio.sleep(1.5)
+                while time.monotonic() < deadline and await self._inflight(client) > 0:
+                    await asyncio.sleep(0.2)
+        try:
+            await self.discovery.deregister(self.worker_id)
+        except DiscoveryError as exc:
+            log.warning("cannot deregister %s (its lease will lapse): %s", self.worker_id, exc)
+        await self.engine.stop()
+        log.info("worker %s stopped", self.worker_id)
