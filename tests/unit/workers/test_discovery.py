@@ -1,0 +1,69 @@
+"""The same contract for the in-memory and the Redis discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from workers.discovery import DiscoveryError, InMemoryDiscovery, RedisDiscovery
+from workers.types import WorkerInfo, WorkerState
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def discovery(request):
+    if request.param == "memory":
+        d = InMemoryDiscovery()
+    else:
+        d = RedisDiscovery(request.getfixturevalue("redis_url"), prefix=f"kvyard-test-{uuid.uuid4().hex[:8]}")
+    yield d
+    await d.close()
+
+
+def info(wid: str = "w1") -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, model="m", backend="sim", url="http://127.0.0.1:9", block_size=32)
+
+
+async def test_register_list_deregister(discovery):
+    await discovery.register(info("a"), ttl_s=5)
+    await discovery.register(info("b"), ttl_s=5)
+    assert sorted(w.worker_id for w in await discovery.list_workers()) == ["a", "b"]
+    await discovery.deregister("a")
+    assert [w.worker_id for w in await discovery.list_workers()] == ["b"]
+
+
+async def test_fields_round_trip(discovery):
+    await discovery.register(info("a"), ttl_s=5)
+    (got,) = await discovery.list_workers()
+    assert got == info("a").model_copy(update={"started_at": got.started_at})
+
+
+async def test_lease_lapses_without_renewal(discovery):
+    await discovery.register(info("a"), ttl_s=0.3)
+    await asyncio.sleep(0.5)
+    assert await discovery.list_workers() == []
+    assert await discovery.renew("a", 5) is False
+
+
+async def test_renewal_keeps_lease(discovery):
+    await discovery.register(info("a"), ttl_s=0.4)
+    for _ in range(4):
+        await asyncio.sleep(0.2)
+        assert await discovery.renew("a", 0.4) is True
+    assert [w.worker_id for w in await discovery.list_workers()] == ["a"]
+
+
+async def test_state_change_keeps_lease(discovery):
+    await discovery.register(info("a"), ttl_s=5)
+    await discovery.set_state("a", WorkerState.DRAINING)
+    (got,) = await discovery.list_workers()
+    assert got.state == WorkerState.DRAINING
+    await discovery.set_state("missing", WorkerState.DRAINING)  # no error for an unknown worker
+
+
+async def test_redis_unreachable_raises_discovery_error():
+    d = RedisDiscovery("redis://127.0.0.1:1/0")
+    with pytest.raises(DiscoveryError):
+        await d.list_workers()
+    await d.close()
