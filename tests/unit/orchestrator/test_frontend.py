@@ -1,0 +1,197 @@
+"""The frontend against scriptable fake engines: OpenAI errors, streaming relay, failover."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from orchestrator.app import create_app
+from orchestrator.config import FrontendConfig
+from workers.discovery import InMemoryDiscovery
+from pathlib import Path
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[3] / "workers" / "sim" / "tokenizer"
+from workers.types import WorkerInfo
+
+from .fake_engine import FakeEngine, free_port
+
+
+def winfo(wid: str, url: str, max_model_len: int = 64) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, model="m", backend="sim", url=url, block_size=16, max_model_len=max_model_len, tokenizer=str(TOKENIZER_DIR))
+
+
+@pytest.fixture
+async def frontend():
+    """Yields (client, discovery); register workers in discovery, then call `await refresh()`."""
+    disc = InMemoryDiscovery()
+    cfg = FrontendConfig(max_body_bytes=4096, refresh_interval_s=0.05, retry_after_s=2)
+    app = create_app(cfg, disc)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvyard") as client:
+            client.refresh = app.state.pool.refresh
+            yield client, disc
+
+
+async def add(disc, client, *infos):
+    for i in infos:
+        await disc.register(i, ttl_s=60)
+    await client.refresh()
+
+
+def assert_openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+async def test_completion_passthrough(frontend):
+    client, disc = frontend
+    with FakeEngine() as eng:
+        await add(disc, client, winfo("a", eng.url))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert r.headers["x-kvyard-worker"] == "a"
+        assert eng.requests[0]["headers"]["x-request-id"] == r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_stream_usage_chunk_only_when_asked(frontend, include_usage):
+    client, disc = frontend
+    with FakeEngine(tokens=4) as eng:
+        await add(disc, client, winfo("a", eng.url))
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        if include_usage:
+            body["stream_options"] = {"include_usage": True}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        usage = [e for e in events if '"usage"' in e]
+        assert len(usage) == (1 if include_usage else 0)
+        assert len(events) == 4 + 1 + len(usage)
+        # the engine was always asked for usage, so the frontend can count tokens
+        assert eng.requests[0]["body"]["stream_options"]["include_usage"] is True
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (b"{not json", 400, None),
+        (b"[1,2]", 400, None),
+        (json.dumps({"prompt": "x"}).encode(), 400, "model"),
+        (json.dumps({"model": "m"}).encode(), 400, "prompt"),
+        (json.dumps({"model": "m", "prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": "m", "prompt": "x", "max_tokens": 10**9}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": "m", "prompt": "x", "n": 3}).encode(), 400, "n"),
+        (json.dumps({"model": "m", "prompt": "word " * 200}).encode(), 400, "prompt"),  # > 64-token context
+        (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "model"),
+        (json.dumps({"model": "m", "prompt": "x" * 5000}).encode(), 413, None),
+    ],
+)
+async def test_bad_input_gets_openai_error(frontend, body, status, param):
+    client, disc = frontend
+    with FakeEngine() as eng:
+        await add(disc, client, winfo("a", eng.url))
+        r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        err = assert_openai_error(r, status)
+        if param:
+            assert err["param"] == param
+        assert not eng.requests  # refused before reaching any engine
+
+
+async def test_chat_bad_messages(frontend):
+    client, disc = frontend
+    with FakeEngine() as eng:
+        await add(disc, client, winfo("a", eng.url))
+        r = await client.post("/v1/chat/completions", json={"model": "m", "messages": []})
+        assert_openai_error(r, 400)
+        r = await client.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "wizard", "content": "x"}]})
+        assert_openai_error(r, 400)
+
+
+async def test_no_ready_worker_is_503_with_retry_after(frontend):
+    client, disc = frontend
+    from workers.types import WorkerState
+
+    await add(disc, client, winfo("a", "http://127.0.0.1:9"))
+    await disc.set_state("a", WorkerState.DRAINING)
+    await client.refresh()
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    assert_openai_error(r, 503)
+    assert r.headers["retry-after"] == "2"
+
+
+async def test_failover_to_next_worker_on_connection_refused(frontend):
+    client, disc = frontend
+    with FakeEngine() as eng:
+        dead = f"http://127.0.0.1:{free_port()}"
+        await add(disc, client, winfo("a-dead", dead), winfo("b-live", eng.url))
+        for _ in range(4):  # round-robin puts the dead one first every other request
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-kvyard-worker"] == "b-live"
+
+
+async def test_engine_500_retried_elsewhere_then_503(frontend):
+    client, disc = frontend
+    with FakeEngine(fail_status=500) as bad, FakeEngine() as good:
+        await add(disc, client, winfo("a", bad.url), winfo("b", good.url))
+        for _ in range(2):
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+            assert r.status_code == 200
+        await disc.deregister("b")
+        await client.refresh()
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert_openai_error(r, 503)
+
+
+async def test_engine_client_error_passed_through(frontend):
+    client, disc = frontend
+    with FakeEngine(fail_status=400) as eng:
+        await add(disc, client, winfo("a", eng.url))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "boom"
+
+
+async def test_stream_broken_mid_way_ends_with_error_event(frontend):
+    client, disc = frontend
+    with FakeEngine(tokens=6, break_after=2) as eng:
+        await add(disc, client, winfo("a", eng.url))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        events = [e for e in r.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert '"error"' in events[-2]
+
+
+async def test_router_load_released_on_every_path(frontend):
+    client, disc = frontend
+    with FakeEngine() as eng:
+        await add(disc, client, winfo("a", eng.url))
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 10**6})
+    app_router = client._transport.app.state.router
+    assert app_router.loads.load("a").inflight_requests == 0
+    assert app_router.loads.load("a").prefill_tokens == 0
+
+
+async def test_models_health_metrics(frontend):
+    client, disc = frontend
+    r = await client.get("/health")
+    assert r.status_code == 503
+    with FakeEngine() as eng:
+        await add(disc, client, winfo("a", eng.url))
+        assert (await client.get("/health")).status_code == 200
+        models = (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["m"]
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        text = (await client.get("/metrics")).text
+        for name in ("kvyard_time_to_first_token_seconds", "kvyard_inter_token_latency_seconds", "kvyard_input_sequence_tokens",
+                     "kvyard_output_sequence_tokens", "kvyard_inflight_requests", "kvyard_requests_total"):
+            assert name in text
+    r = await client.get("/nope")
+    assert_openai_error(r, 404)
