@@ -21,6 +21,17 @@ from workers.types import EngineLaunchConfig
 __all__ = ["EngineProcess", "EngineStartError"]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM the engine if the worker process dies,
+    so a SIGKILLed worker leaves no orphan engine holding a GPU."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class EngineStartError(RuntimeError):
     """The engine exited or never became healthy; the message carries the tail of its log."""
 
@@ -55,7 +66,8 @@ class EngineProcess:
         else:
             out = subprocess.DEVNULL
         self._proc = subprocess.Popen(
-            spec.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            spec.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     def log_tail(self, n: int = 40) -> str:
