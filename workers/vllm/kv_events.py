@@ -178,7 +178,7 @@ def decode_payload(payload: bytes, seq: int = 0) -> KvEventBatch:
     """Decode one EventBatch payload. Raises KvEventDecodeError on anything malformed."""
     try:
         raw = msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:  # deep nesting -> RecursionError
         raise KvEventDecodeError(f"payload is not msgpack: {exc}") from exc
     if not isinstance(raw, list) or len(raw) < 2:
         raise KvEventDecodeError("EventBatch must be an array [ts, events, dp_rank?]")
