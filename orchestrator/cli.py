@@ -38,6 +38,7 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--policy", default="round-robin", choices=policy_names())
     p.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL"))
+    p.add_argument("--discovery-prefix", default="kvyard", help="Redis key prefix (one per cluster)")
     p.add_argument("--config", help="YAML file with the same keys as the flags (flags win)")
 
 
@@ -69,6 +70,7 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--block-size", type=int, default=16)
     wk.add_argument("--max-model-len", type=int, default=4096)
     wk.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    wk.add_argument("--discovery-prefix", default="kvyard", help="Redis key prefix (one per cluster)")
     wk.add_argument("--lease-ttl", type=float, default=6.0)
     wk.add_argument("--drain-timeout", type=float, default=60.0)
     wk.add_argument("--engine-python", default=None, help="interpreter of the engine's own environment")
@@ -81,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
     data = load_yaml(ns.config).get("frontend", {}) if getattr(ns, "config", None) else {}
-    data.update(host=ns.host, port=ns.port, policy=ns.policy, redis_url=ns.redis_url)
+    data.update(host=ns.host, port=ns.port, policy=ns.policy, redis_url=ns.redis_url, discovery_prefix=ns.discovery_prefix)
     return FrontendConfig(**data)
 
 
@@ -148,7 +150,7 @@ async def _run_worker(ns: argparse.Namespace) -> int:
                              block_size=ns.block_size, max_model_len=ns.max_model_len,
                              kv_events_endpoint=f"tcp://*:{kv_port}", kv_replay_endpoint=f"tcp://*:{kv_port + 1}",
                              python=ns.engine_python, extra_args=extra)
-    discovery = RedisDiscovery(ns.redis_url)
+    discovery = RedisDiscovery(ns.redis_url, prefix=ns.discovery_prefix)
     sup = WorkerSupervisor(get_backend(ns.backend), cfg, discovery, WorkerOptions(
         role=WorkerRole(ns.role), lease_ttl_s=ns.lease_ttl, drain_timeout_s=ns.drain_timeout,
         advertise_host=ns.advertise_host or ns.host, tokenizer=default_tokenizer(ns.backend, ns.model)))
