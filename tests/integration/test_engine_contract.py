@@ -5,7 +5,7 @@ requests. The reference is vLLM 0.32 itself: response shapes are compared with t
 captures in tests/fixtures/vllm/http.json (so the vLLM run also proves the goldens current) —
 JSON keys, value types (null matches anything) and `object` names, never the generated text —
 plus SSE framing, OpenAI error status and shape, metric names, the KV-event wire structure
-(BlockStored geometry, parent chaining across requests), replay, and prefix-cache hits.
+(BlockStored geometry, parent chaining across requests, vLLM's block hashes), replay, and prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 import zmq
 
 from workers.kv_events import BlockStored
+from workers.vllm.hashing import vllm_block_hashes
 from workers.vllm.kv_events import END_SEQ, decode_pub_frames, decode_replay_frames, pack_seq, unpack_seq
 from workers.vllm.metrics import parse_vllm_metrics
 
@@ -247,6 +248,12 @@ def test_kv_events_wire_structure_and_chaining(engine, kv_sub):
     hashes_a = [h for e in a for h in e.block_hashes]
     assert b and b[0].parent_block_hash in hashes_a, "B's first stored block does not chain onto A's prefix"
     assert not set(hashes_a) & {h for e in b for h in e.block_hashes}, "A's cached blocks were stored again"
+    # the hashes are vLLM's (sha256 + pickle, seed "vllm-none-hash"): recompute them from the token ids
+    tokens_a = [t for e in a for t in e.token_ids]
+    assert vllm_block_hashes(tokens_a, 32) == hashes_a
+    k = hashes_a.index(b[0].parent_block_hash) + 1
+    chain_b = tokens_a[: k * 32] + [t for e in b for t in e.token_ids]
+    assert vllm_block_hashes(chain_b, 32)[k:] == [h for e in b for h in e.block_hashes]
 
 
 def test_kv_replay(engine, kv_sub):
