@@ -1,0 +1,26 @@
+"""`python -m workers.sim ...`: run the simulated vLLM server (flags: see `workers.sim.config`).
+
+The only place the sim reads the environment: PYTHONHASHSEED, which vLLM uses as the NONE_HASH
+seed for block hashes when set (engines.md §1), so the sim's published hashes match vLLM's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from workers.sim.config import parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_args(argv if argv is not None else sys.argv[1:], hash_seed=os.environ.get("PYTHONHASHSEED"))
+    import uvicorn
+
+    from workers.sim.server import build_app
+
+    app = build_app(cfg)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=30)
+
+
+if __name__ == "__main__":
+    main()

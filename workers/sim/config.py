@@ -1,0 +1,136 @@
+"""Sim engine configuration: vLLM's own server flags plus the sim's, parsed once at the CLI.
+
+vLLM flags (same names and defaults as vLLM 0.32 where they matter here):
+  --host 127.0.0.1 (vLLM: all interfaces)   --port 8000   --served-model-name NAME [NAME ...]
+  --model (profile name or directory when --profile is not given; else only reported as `root`)
+  --block-size 16   --max-model-len 8192   --max-num-seqs 256   --max-num-batched-tokens 8192
+  --kv-events-config '<json KVEventsConfig>'   --enable-prompt-tokens-details
+  --no-enable-prefix-caching / --enable-prefix-caching
+Sim flags:
+  --profile h200-llama3.1-8b | h100-llama3.3-70b-tp2|tp4|tp8 | <dir with prefill.npz, decode.npz>
+  --speedup 1.0 (all step times divided by it)   --num-gpu-blocks (default max_kv_tokens // block_size)
+  --seed 0 (output text)   --hash-seed (NONE_HASH seed; the CLI passes PYTHONHASHSEED like vLLM does)
+Unknown vLLM flags are accepted and ignored, so a vLLM command line runs unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from workers.sim.hashing import DEFAULT_SEED
+from workers.sim.profiles import BUNDLED, DEFAULT_PROFILE
+
+__all__ = ["KvEventsConfig", "SimConfig", "build_parser", "parse_args"]
+
+
+class KvEventsConfig(BaseModel):
+    """vLLM's `KVEventsConfig` (vllm/config/kv_events.py), same fields, defaults and order."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10000
+    hwm: int = 100000
+    max_queue_size: int = 100000
+    topic: str = ""
+
+    def model_post_init(self, _ctx: object) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+
+    @property
+    def active(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+@dataclass
+class SimConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_names: list[str] = field(default_factory=lambda: [DEFAULT_PROFILE])
+    model: str = DEFAULT_PROFILE
+    profile: str = DEFAULT_PROFILE
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    num_gpu_blocks: int | None = None
+    speedup: float = 1.0
+    seed: int = 0
+    hash_seed: str = DEFAULT_SEED
+    enable_prefix_caching: bool = True
+    enable_prompt_tokens_details: bool = False
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    log_level: str = "warning"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m workers.sim", description="kvyard simulated vLLM engine")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-events-config", default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-prompt-tokens-details", action="store_true")
+    p.add_argument("--profile", default=None)
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hash-seed", default=None)
+    p.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None) -> SimConfig:
+    """CLI -> SimConfig. `hash_seed` is what the entry point read from PYTHONHASHSEED (or None)."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if any(not u.startswith("-") and u not in ("",) for u in unknown[:1]) and ns.model is None:
+        ns.model = unknown[0]  # `vllm serve MODEL` style positional
+    if ns.speedup <= 0:
+        parser.error("--speedup must be > 0")
+    profile = ns.profile or (ns.model if ns.model else DEFAULT_PROFILE)
+    if ns.profile is None and ns.model and ns.model not in BUNDLED:
+        # a model path/name that is not a profile: keep it as `root`, time with the default profile
+        from pathlib import Path
+
+        if not (Path(ns.model) / "prefill.npz").is_file():
+            profile = DEFAULT_PROFILE
+    model = ns.model or profile
+    kv = KvEventsConfig.model_validate_json(ns.kv_events_config) if ns.kv_events_config else KvEventsConfig()
+    return SimConfig(
+        host=ns.host,
+        port=ns.port,
+        served_model_names=list(ns.served_model_name or [model]),
+        model=model,
+        profile=profile,
+        block_size=ns.block_size,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        num_gpu_blocks=ns.num_gpu_blocks,
+        speedup=ns.speedup,
+        seed=ns.seed,
+        hash_seed=ns.hash_seed or hash_seed or DEFAULT_SEED,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+        kv_events=kv,
+        log_level=ns.log_level,
+    )

@@ -1,0 +1,199 @@
+"""The async engine loop: drives the pure scheduler in (scaled) real time.
+
+    loop:  plan = scheduler.schedule()
+           dt   = timing.step_ms(plan) / 1000            (already divided by --speedup)
+           sleep until start + dt                        (deadline-based: no drift from loop overhead)
+           result = scheduler.update_from_output(plan)   -> tokens to per-request streams
+           metrics; publish the step's KV events as one batch
+
+The next step starts at the previous deadline, not at wake-up time, so sleep overshoot and Python
+overhead do not accumulate; if the loop falls more than `max_lag_s` behind (an overloaded CPU), it
+re-anchors to now instead of bursting. Aborts (client disconnect, stop strings) free blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from workers.sim.kv_manager import KvBlockManager
+from workers.sim.metrics import SimMetrics
+from workers.sim.publisher import KvEventPublisher
+from workers.sim.scheduler import Scheduler, SimRequest, StepPlan
+from workers.sim.timing import TimingModel
+
+__all__ = ["RequestStream", "SimEngine"]
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """Tokens of one request as the engine produces them; many per wait when the reader lags."""
+
+    __slots__ = ("req", "tokens", "finish_reason", "arrival", "admitted", "first_token", "last_token", "_waiter")
+
+    def __init__(self, req: SimRequest, arrival: float) -> None:
+        self.req = req
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.arrival = arrival
+        self.admitted: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next(self) -> tuple[list[int], str | None]:
+        """Wait for new tokens (or the end); returns (new tokens, finish_reason or None)."""
+        while not self.tokens and self.finish_reason is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        toks, self.tokens = self.tokens, []
+        return toks, self.finish_reason
+
+
+class SimEngine:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        timing: TimingModel,
+        metrics: SimMetrics | None = None,
+        publisher: KvEventPublisher | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_lag_s: float = 0.05,
+    ) -> None:
+        self.scheduler = scheduler
+        self.kv: KvBlockManager = scheduler.kv
+        self.timing = timing
+        self.metrics = metrics
+        self.publisher = publisher
+        self.clock = clock
+        self.max_lag_s = max_lag_s
+        self.streams: dict[str, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self.steps = 0
+        self.busy_time = 0.0
+
+    # ---- intake --------------------------------------------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        token_source: Callable[[int], int],
+        *,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+    ) -> RequestStream:
+        req = SimRequest(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            max_tokens=max_tokens,
+            token_source=token_source,
+            stop_token_ids=frozenset(stop_token_ids),
+            min_tokens=min_tokens,
+        )
+        self.scheduler.add_request(req)
+        stream = RequestStream(req, self.clock())
+        self.streams[request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request now (disconnect, stop string); its blocks are freed immediately."""
+        stream = self.streams.pop(request_id, None)
+        req = self.scheduler.abort(request_id, reason)
+        if stream is not None and req is not None:
+            stream.finish_reason = req.finish_reason
+            self._record_finish(stream, self.clock())
+            stream._wake()
+
+    # ---- loop ----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        next_start: float | None = None
+        sched = self.scheduler
+        while True:
+            if not sched.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                next_start = None
+                continue
+            now = self.clock()
+            start = now if next_start is None else max(next_start, now - self.max_lag_s)
+            plan = sched.schedule()
+            if not plan:  # nothing fits right now (safety net; startup checks make this rare)
+                await asyncio.sleep(0.005)
+                next_start = None
+                continue
+            for req in plan.newly_admitted:
+                s = self.streams.get(req.request_id)
+                if s is not None:
+                    s.admitted = now
+            dt = self.timing.step_ms(plan.prefill_chunks, plan.decode_contexts) / 1000.0
+            deadline = start + dt
+            delay = deadline - self.clock()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            self._finish_step(plan, self.clock())
+            self.steps += 1
+            self.busy_time += dt
+            next_start = deadline
+
+    def _finish_step(self, plan: StepPlan, now: float) -> None:
+        streams = self.streams
+        result = self.scheduler.update_from_output(plan)
+        m = self.metrics
+        for req, toks in result.outputs:
+            s = streams.get(req.request_id)
+            if s is None:
+                continue
+            s.tokens.extend(toks)
+            if s.first_token is None:
+                s.first_token = now
+                if m is not None:
+                    m.ttft.observe(now - s.arrival)
+                    m.prompt_tokens += req.num_prompt_tokens
+            elif m is not None and s.last_token is not None:
+                m.itl.observe(now - s.last_token)
+            s.last_token = now
+            if m is not None:
+                m.generation_tokens += len(toks)
+            s._wake()
+        for req in result.finished:
+            s = streams.pop(req.request_id, None)
+            if s is not None:
+                s.finish_reason = req.finish_reason
+                self._record_finish(s, now)
+                s._wake()
+        if self.publisher is not None:
+            self.publisher.publish(self.kv.take_events())
+        else:
+            self.kv.take_events()
+
+    def _record_finish(self, s: RequestStream, now: float) -> None:
+        if self.metrics is not None:
+            req = s.req
+            self.metrics.on_finished(
+                req.finish_reason or "abort", s.arrival, s.admitted, now, req.num_prompt_tokens, len(req.output_token_ids)
+            )
+
+    # ---- state for /metrics and /load ----------------------------------------------------------
+    def gauges(self) -> dict[str, float]:
+        s = self.scheduler
+        return {
+            "num_requests_running": float(len(s.running)),
+            "num_requests_waiting": float(len(s.waiting)),
+            "kv_cache_usage_perc": self.kv.usage,
+            "prefix_cache_queries": float(s.prefix_queries),
+            "prefix_cache_hits": float(s.prefix_hits),
+            "num_preemptions": float(s.num_preemptions),
+        }

@@ -1,0 +1,219 @@
+"""The sim's HTTP server: vLLM 0.32's OpenAI-compatible routes on Starlette.
+
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health,
+/ping, /metrics, /load, /version, /kv_event_sources. Generation handlers are in `workers.sim.generate`.
+`build_app(cfg)` wires tokenizer -> engine (scheduler, KV manager, timing, metrics, publisher); the
+engine loop and the ZMQ sockets start in the app's lifespan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from workers.sim.config import SimConfig
+from workers.sim.engine import SimEngine
+from workers.sim.hashing import BlockHasher
+from workers.sim.kv_manager import KvBlockManager
+from workers.sim.metrics import CONTENT_TYPE, SimMetrics
+from workers.sim.profiles import load_profile
+from workers.sim.protocol import ApiError, bad_request, parse_body
+from workers.sim.scheduler import Scheduler
+from workers.sim.text import SimTokenizer, TextSource
+from workers.sim.timing import TimingModel
+
+__all__ = ["SimState", "VLLM_VERSION", "build_app", "build_state"]
+
+VLLM_VERSION = "0.32.0"
+
+
+@dataclass
+class SimState:
+    cfg: SimConfig
+    tokenizer: SimTokenizer
+    text: TextSource
+    engine: SimEngine
+    metrics: SimMetrics
+    fingerprint: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    server_load: int = 0
+    publisher: object | None = None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.cfg.served_model_names:
+            aliases = ", ".join(self.cfg.served_model_names)
+            raise ApiError(f"The model `{model}` does not exist. Valid aliases: {aliases}.", "NotFoundError", 404, "model")
+
+
+def build_state(cfg: SimConfig, tokenizer: SimTokenizer | None = None) -> SimState:
+    profile = load_profile(cfg.profile)
+    num_blocks = cfg.num_gpu_blocks or profile.max_kv_tokens // cfg.block_size
+    if (num_blocks - 1) * cfg.block_size < cfg.max_model_len:
+        raise ValueError(
+            f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one max_model_len="
+            f"{cfg.max_model_len} sequence; raise --num-gpu-blocks or lower --max-model-len"
+        )
+    kv = KvBlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching, enable_events=cfg.kv_events.active)
+    sched = Scheduler(
+        kv,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+        hasher=BlockHasher(cfg.block_size, cfg.hash_seed),
+    )
+    tok = tokenizer or SimTokenizer()
+    engine = SimEngine(sched, TimingModel(profile, cfg.speedup))
+    metrics = SimMetrics(cfg.model_name, cfg.max_model_len, engine.gauges)
+    engine.metrics = metrics
+    digest = hashlib.sha256(repr((cfg.profile, cfg.block_size, cfg.max_model_len, num_blocks, cfg.speedup)).encode()).hexdigest()
+    return SimState(cfg, tok, TextSource(tok, cfg.seed), engine, metrics, f"vllm-{VLLM_VERSION}-{digest[:8]}")
+
+
+def _state(request: Request) -> SimState:
+    return request.app.state.sim
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.code)
+
+
+async def health(_request: Request) -> Response:
+    return Response(status_code=200)
+
+
+async def version(_request: Request) -> Response:
+    return JSONResponse({"version": VLLM_VERSION})
+
+
+async def load(request: Request) -> Response:
+    return JSONResponse({"server_load": _state(request).server_load})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def models(request: Request) -> Response:
+    st = _state(request)
+    now = int(time.time())
+    data = [
+        {
+            "id": name, "object": "model", "created": now, "owned_by": "vllm", "root": st.cfg.model, "parent": None,
+            "max_model_len": st.cfg.max_model_len,
+            "permission": [{
+                "id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": now,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False,
+            }],
+        }
+        for name in st.cfg.served_model_names
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def kv_event_sources(request: Request) -> Response:
+    st = _state(request)
+    kv = st.cfg.kv_events.model_dump()
+    pub = st.publisher
+    if pub is not None:
+        kv["endpoint"] = pub.endpoint  # type: ignore[attr-defined]
+        kv["replay_endpoint"] = pub.replay_endpoint  # type: ignore[attr-defined]
+    return JSONResponse({"0": kv})
+
+
+async def tokenize(request: Request) -> Response:
+    st = _state(request)
+    try:
+        body = parse_body(await request.body(), _TokenizeBody)
+        st.check_model(body.model)
+        if body.messages is not None:
+            text = st.tokenizer.apply_chat_template(body.messages, add_generation_prompt=body.add_generation_prompt)
+            ids = st.tokenizer.encode(text, add_special_tokens=body.add_special_tokens if body.add_special_tokens is not None else False)
+        elif body.prompt is not None:
+            ids = st.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        else:
+            raise bad_request("Either prompt or messages must be provided.", "prompt")
+    except ApiError as err:
+        return error_response(err)
+    strs = [st.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+    return JSONResponse({"count": len(ids), "max_model_len": st.cfg.max_model_len, "tokens": ids, "token_strs": strs})
+
+
+async def detokenize(request: Request) -> Response:
+    st = _state(request)
+    try:
+        body = parse_body(await request.body(), _DetokenizeBody)
+        st.check_model(body.model)
+    except ApiError as err:
+        return error_response(err)
+    return JSONResponse({"prompt": st.tokenizer.decode(body.tokens)})
+
+
+class _TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
+
+
+class _DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+
+def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
+    from workers.sim.generate import chat_completions, completions
+
+    st = state or build_state(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if cfg.kv_events.active:
+            from workers.sim.publisher import KvEventPublisher
+
+            pub = KvEventPublisher(cfg.kv_events)
+            pub.start()
+            st.engine.publisher = pub
+            st.publisher = pub
+        task = asyncio.get_running_loop().create_task(st.engine.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if st.publisher is not None:
+                await st.publisher.close()  # type: ignore[attr-defined]
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/load", load, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.sim = st
+    return app
