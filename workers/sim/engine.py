@@ -152,6 +152,8 @@ class SimEngine:
         streams = self.streams
         result = self.scheduler.update_from_output(plan)
         m = self.metrics
+        if m is not None:
+            m.iteration_tokens.observe(plan.num_tokens)
         for req, toks in result.outputs:
             s = streams.get(req.request_id)
             if s is None:
@@ -161,7 +163,7 @@ class SimEngine:
                 s.first_token = now
                 if m is not None:
                     m.ttft.observe(now - s.arrival)
-                    m.prompt_tokens += req.num_prompt_tokens
+                    m.on_first_token(req.num_prompt_tokens, max(req.num_cached_tokens, 0))
             elif m is not None and s.last_token is not None:
                 m.itl.observe(now - s.last_token)
             s.last_token = now
@@ -183,7 +185,9 @@ class SimEngine:
         if self.metrics is not None:
             req = s.req
             self.metrics.on_finished(
-                req.finish_reason or "abort", s.arrival, s.admitted, now, req.num_prompt_tokens, len(req.output_token_ids)
+                req.finish_reason or "abort", arrival=s.arrival, admitted=s.admitted, first_token=s.first_token,
+                last_token=s.last_token, now=now, n_prompt=req.num_prompt_tokens, n_cached=max(req.num_cached_tokens, 0),
+                n_gen=len(req.output_token_ids), max_tokens=req.max_tokens, n_preemptions=req.num_preemptions,
             )
 
     # ---- state for /metrics and /load ----------------------------------------------------------

@@ -74,7 +74,14 @@ def build_state(cfg: SimConfig, tokenizer: SimTokenizer | None = None) -> SimSta
     )
     tok = tokenizer or SimTokenizer()
     engine = SimEngine(sched, TimingModel(profile, cfg.speedup))
-    metrics = SimMetrics(cfg.model_name, cfg.max_model_len, engine.gauges)
+    cache_info = {
+        "block_size": str(cfg.block_size), "cache_dtype": "auto", "enable_prefix_caching": str(cfg.enable_prefix_caching),
+        "num_gpu_blocks": str(num_blocks), "num_gpu_blocks_override": str(cfg.num_gpu_blocks),
+        "prefix_caching_hash_algo": "sha256", "kv_cache_size_tokens": str((num_blocks - 1) * cfg.block_size),
+        "kv_cache_max_concurrency": str(round((num_blocks - 1) * cfg.block_size / cfg.max_model_len, 2)),
+        "user_specified_block_size": "True", "effective_attention_block_size": str(cfg.block_size),
+    }  # fmt: skip
+    metrics = SimMetrics(cfg.model_name, cfg.max_model_len, engine.gauges, cache_info)
     engine.metrics = metrics
     digest = hashlib.sha256(repr((cfg.profile, cfg.block_size, cfg.max_model_len, num_blocks, cfg.speedup)).encode()).hexdigest()
     return SimState(cfg, tok, TextSource(tok, cfg.seed), engine, metrics, f"vllm-{VLLM_VERSION}-{digest[:8]}")
