@@ -1,0 +1,126 @@
+"""Admin API for planner targets: a FastAPI APIRouter the frontend app mounts.
+
+    GET  /admin/targets            -> {"version", "updated_at", "updated_by", "targets"} (404 if never set)
+    PUT  /admin/targets            body: Targets JSON; optional header If-Match: <version> (or "0" to
+                                   create) -> the new VersionedTargets; 400 names the bad field,
+                                   409 on a version mismatch
+    GET  /admin/targets/history    ?limit=20 -> {"data": [VersionedTargets, ...]} newest first
+    GET  /admin/planner/decisions  ?limit=50 -> {"data": [decision records]} newest first (if a
+                                   telemetry store is given)
+Every route needs `Authorization: Bearer <admin token>` (compared in constant time); with no token
+configured the admin API refuses everything (401). Errors are OpenAI-style JSON via
+orchestrator.errors.error_response.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from orchestrator.errors import AuthenticationError, BadRequestError, KvyardError, ServiceUnavailableError, error_response
+from workers.telemetry.store import TelemetryStore, TelemetryUnavailableError
+from workers.telemetry.targets import (
+    TargetsConflictError,
+    TargetsStore,
+    TargetsUnavailableError,
+    TargetsValidationError,
+    parse_targets,
+)
+
+__all__ = ["make_admin_router", "ConflictError", "NotFoundError"]
+
+log = logging.getLogger("kvyard.admin")
+
+
+class ConflictError(KvyardError):
+    status = 409
+    type = "invalid_request_error"
+    code = "version_conflict"
+
+
+class NotFoundError(KvyardError):
+    status = 404
+    type = "not_found_error"
+    code = "not_found"
+
+
+def _limit(request: Request, default: int) -> int:
+    raw = request.query_params.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise BadRequestError("limit must be an integer from 1 to 1000", param="limit")
+    return int(raw)
+
+
+def make_admin_router(targets: TargetsStore, admin_token: str | None, telemetry: TelemetryStore | None = None,
+                      prefix: str = "/admin") -> APIRouter:
+    router = APIRouter(prefix=prefix)
+
+    def authorize(request: Request) -> str:
+        if not admin_token:
+            raise AuthenticationError("the admin API is disabled: no admin token is configured", code="admin_disabled")
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_token.encode()):
+            raise AuthenticationError("missing or invalid admin bearer token")
+        return "admin"
+
+    async def guarded(request: Request, fn) -> Response:
+        try:
+            actor = authorize(request)
+            return await fn(actor)
+        except KvyardError as exc:
+            return error_response(exc)
+        except (TargetsUnavailableError, TelemetryUnavailableError) as exc:
+            return error_response(ServiceUnavailableError(f"the state store is unreachable: {exc}", code="store_unavailable", retry_after=1))
+
+    @router.get("/targets")
+    async def get_targets(request: Request) -> Response:
+        async def run(_actor: str) -> Response:
+            vt = await targets.get()
+            if vt is None:
+                raise NotFoundError("no targets have been set yet")
+            return JSONResponse(vt.model_dump(mode="json"))
+        return await guarded(request, run)
+
+    @router.put("/targets")
+    async def put_targets(request: Request) -> Response:
+        async def run(actor: str) -> Response:
+            raw = await request.body()
+            try:
+                data = json.loads(raw or b"null")
+            except ValueError as exc:
+                raise BadRequestError(f"body is not valid JSON: {exc}") from exc
+            try:
+                new = parse_targets(data)
+            except TargetsValidationError as exc:
+                raise BadRequestError(str(exc), param=exc.field, code="invalid_targets") from exc
+            expected = request.headers.get("if-match")
+            if expected is not None and not expected.strip('"').isdigit():
+                raise BadRequestError("If-Match must be a targets version number", param="If-Match")
+            try:
+                vt = await targets.put(new, expected_version=int(expected.strip('"')) if expected else None, actor=actor)
+            except TargetsConflictError as exc:
+                raise ConflictError(str(exc)) from exc
+            log.info("targets set to version %d", vt.version)
+            return JSONResponse(vt.model_dump(mode="json"))
+        return await guarded(request, run)
+
+    @router.get("/targets/history")
+    async def targets_history(request: Request) -> Response:
+        async def run(_actor: str) -> Response:
+            items = await targets.history(_limit(request, 20))
+            return JSONResponse({"data": [v.model_dump(mode="json") for v in items]})
+        return await guarded(request, run)
+
+    @router.get("/planner/decisions")
+    async def decisions(request: Request) -> Response:
+        async def run(_actor: str) -> Response:
+            if telemetry is None:
+                raise NotFoundError("no telemetry store is configured")
+            return JSONResponse({"data": await telemetry.recent_decisions(_limit(request, 50))})
+        return await guarded(request, run)
+
+    return router
