@@ -34,7 +34,7 @@ from benchmarks.loadgen import run_load  # noqa: E402
 from workers.discovery import RedisDiscovery  # noqa: E402
 from workers.process import EngineProcess  # noqa: E402
 from workers.registry import get_backend  # noqa: E402
-from workers.sim.backend import TOKENIZER_DIR  # noqa: E402
+from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR  # noqa: E402
 from workers.types import EngineLaunchConfig, WorkerInfo  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -25,7 +25,7 @@ log = logging.getLogger("kvyard.launcher")
 def default_tokenizer(backend: str, model: str) -> str | None:
     """Where the frontend finds the tokenizer of `model` served by `backend`."""
     if backend == "sim":
-        from workers.sim.backend import TOKENIZER_DIR
+        from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR
 
         return str(TOKENIZER_DIR)
     path = Path(model)

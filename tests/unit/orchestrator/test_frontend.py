@@ -10,9 +10,7 @@ import pytest
 from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
 from workers.discovery import InMemoryDiscovery
-from pathlib import Path
-
-TOKENIZER_DIR = Path(__file__).resolve().parents[3] / "workers" / "sim" / "tokenizer"
+from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR
 from workers.types import WorkerInfo
 
 from .fake_engine import FakeEngine, free_port
