@@ -115,8 +115,8 @@ async def test_discovery_and_openai_client(cluster):
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True, stream_options={"include_usage": True})]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
-    text = "".join(c.choices[0].text async for c in await oa.completions.create(model=MODEL, prompt="hi", max_tokens=6, stream=True))
-    assert text
+    pieces = [c.choices[0].text async for c in await oa.completions.create(model=MODEL, prompt="hi", max_tokens=6, stream=True)]
+    assert len(pieces) == 6 and "".join(pieces)
     with pytest.raises(openai.NotFoundError):
         await oa.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError):
