@@ -1,0 +1,198 @@
+"""The planner state machine: `on_tick(now, observation) -> Decision`. Zero I/O (no asyncio, Redis,
+HTTP or files): the loop feeds it observations and applies what it returns.
+
+Per managed pool (every pool listed in the targets), each tick:
+  1. hold      telemetry store unreachable, or no fresh data for the pool (none in the window, or
+               the newest bucket older than stale_after_s): keep the current count (only min/max
+               are still enforced).
+  2. predict   feed the window's demand (arrival rate, else finish rate; mean ISL, OSL, KV hit rate)
+               to one predictor per quantity; forecast 1 + lookahead_s/interval_s ticks ahead.
+  3. size      sla:    replicas from the perf model for the predicted demand (sla.py);
+               load:   current ± 1 from queue/KV/latency thresholds (load.py);
+               hybrid: sla replicas + a load correction k >= 0 (k += 1 on a load 'up' the SLA
+                       count did not already cover, k −= 1 on a 'down') — the SLA count is a floor.
+  4. guard     clamp to [min_replicas, max_replicas]; move at most max_step per tick; no scale-down
+               within scale_down_cooldown_s of the pool's last change.
+  Then across pools: if Σ desired·gpus_per_replica > gpu_budget, every pool keeps min_replicas and
+  the rest of the budget is shared in proportion to what each pool wanted above its minimum.
+Every PoolDecision carries a reason. In advisory mode decisions are returned but marked advisory
+(the loop records and does not apply them) and the cooldown clock does not move.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from planner.config import PlannerConfig
+from planner.load import load_step
+from planner.perf_model import PerfModel
+from planner.predictors import Predictor, make_predictor
+from planner.sla import aggregated_replicas, decode_replicas, prefill_replicas
+from planner.types import Decision, Demand, Observation, PoolDecision, PoolObservation
+from workers.telemetry.schema import PoolKey
+from workers.telemetry.targets import PoolTarget
+
+__all__ = ["PlannerCore"]
+
+_QUANTITIES = ("request_rate", "isl", "osl", "kv_hit_rate")
+
+
+class PlannerCore:
+    def __init__(self, cfg: PlannerConfig, perf_models: Mapping[str, PerfModel] | None = None,
+                 default_perf: PerfModel | None = None) -> None:
+        self.cfg = cfg
+        self.perf_models = dict(perf_models or {})
+        self.default_perf = default_perf
+        self.tick = 0
+        self._predictors: dict[tuple[PoolKey, str], Predictor] = {}
+        self._last_change: dict[PoolKey, float] = {}
+        self._correction: dict[PoolKey, int] = {}
+
+    # ---- the tick ------------------------------------------------------------------------------
+    def on_tick(self, now: float, obs: Observation) -> Decision:
+        self.tick += 1
+        if obs.targets is None:
+            return Decision(self.tick, now, [], self.cfg.advisory, None, "hold: no targets have been set")
+        targets = obs.targets.targets
+        out: list[PoolDecision] = []
+        for pt in targets.pools:
+            key = PoolKey(pt.model, pt.role.value)
+            po = obs.pools.get(key) or PoolObservation(key, replicas=0)
+            if not obs.telemetry_ok:
+                out.append(self._hold(po, pt, "telemetry store unreachable" + (f" ({obs.note})" if obs.note else "")))
+            else:
+                out.append(self._plan(now, po, pt))
+        self._apply_budget(out, targets.pools, targets.gpu_budget)
+        if not self.cfg.advisory:
+            for d in out:
+                if d.changed:
+                    self._last_change[d.pool] = now
+        changed = [d for d in out if d.changed]
+        summary = "; ".join(f"{d.pool} {d.current}->{d.desired}" for d in changed) or "no change"
+        return Decision(self.tick, now, out, self.cfg.advisory, obs.targets.version, summary)
+
+    # ---- one pool ------------------------------------------------------------------------------
+    @staticmethod
+    def _clamp(n: int, pt: PoolTarget) -> int:
+        return max(pt.min_replicas, min(pt.max_replicas, n))
+
+    def _hold(self, po: PoolObservation, pt: PoolTarget, why: str) -> PoolDecision:
+        n = self._clamp(po.replicas, pt)
+        if n != po.replicas:
+            bound = "min_replicas" if n > po.replicas else "max_replicas"
+            return PoolDecision(po.pool, po.replicas, n, f"{bound} is {n} (otherwise holding: {why})", held=True)
+        return PoolDecision(po.pool, po.replicas, n, f"hold: {why}", held=True)
+
+    def _demand(self, po: PoolObservation) -> Demand | None:
+        s = po.stats
+        assert s is not None
+        rate = s.arrival_rate if s.arrival_rate > 0 else s.request_rate
+        now_vals = {"request_rate": rate, "isl": s.avg_isl, "osl": s.avg_osl, "kv_hit_rate": s.kv_hit_rate}
+        steps = 1.0 + self.cfg.lookahead_s / self.cfg.interval_s
+        out = {}
+        for q in _QUANTITIES:
+            p = self._predictors.get((po.pool, q))
+            if p is None:
+                p = self._predictors[(po.pool, q)] = make_predictor(self.cfg.predictor, self.cfg.predictor_window)
+            if now_vals[q] is not None:
+                p.observe(now_vals[q])
+            out[q] = p.predict(steps)
+        if out["kv_hit_rate"] is None:
+            out["kv_hit_rate"] = 0.0
+        if out["request_rate"] is None or (out["request_rate"] > 0 and (out["isl"] is None or out["osl"] is None)):
+            return None
+        return Demand(out["request_rate"], out["isl"] or 0.0, out["osl"] or 0.0, min(max(out["kv_hit_rate"], 0.0), 1.0))
+
+    def _sla(self, po: PoolObservation, pt: PoolTarget, d: Demand) -> tuple[int, str] | None:
+        perf = self.perf_models.get(pt.model, self.default_perf)
+        if perf is None:
+            return None
+        ttft = pt.ttft_p90_ms or self.cfg.default_ttft_ms
+        itl = pt.itl_p90_ms or self.cfg.default_itl_ms
+        if po.pool.role == "prefill":
+            return prefill_replicas(perf, d, ttft, self.cfg.max_prefill_utilization)
+        if po.pool.role == "decode":
+            return decode_replicas(perf, d, itl, pt.tokens_per_s)
+        return aggregated_replicas(perf, d, ttft, itl, self.cfg.max_prefill_utilization, pt.tokens_per_s)
+
+    def _plan(self, now: float, po: PoolObservation, pt: PoolTarget) -> PoolDecision:
+        cfg = self.cfg
+        if po.stats is None or po.data_age_s is None:
+            return self._hold(po, pt, f"no telemetry for {po.pool} in the last {cfg.window:.0f} s")
+        if po.data_age_s > cfg.stale_after_s:
+            return self._hold(po, pt, f"telemetry for {po.pool} is {po.data_age_s:.0f} s old (stale after {cfg.stale_after_s:.0f} s)")
+        demand = self._demand(po)
+        if demand is None:
+            return self._hold(po, pt, "no finished requests yet to size from")
+        ttft = pt.ttft_p90_ms or cfg.default_ttft_ms
+        itl = pt.itl_p90_ms or cfg.default_itl_ms
+        sla_n: int | None = None
+        if cfg.mode in ("sla", "hybrid"):
+            sized = self._sla(po, pt, demand)
+            if sized is None:
+                return self._hold(po, pt, f"no performance profile for model {pt.model!r}")
+            sla_n, why = sized
+        if cfg.mode == "sla":
+            raw, reason = sla_n, f"SLA: {why}"
+        else:
+            delta, lwhy = load_step(po, ttft, itl, cfg.load)
+            if cfg.mode == "load":
+                raw, reason = po.replicas + delta, f"load: {lwhy}"
+            else:
+                k = self._correction.get(po.pool, 0)
+                if delta > 0 and sla_n + k <= po.replicas:
+                    k += 1
+                elif delta < 0:
+                    k = max(0, k - 1)
+                self._correction[po.pool] = k
+                raw = sla_n + k
+                reason = f"SLA: {why}" + (f"; +{k} load correction ({lwhy})" if k else "")
+        return self._guard(now, po, pt, raw, reason, demand, sla_n)
+
+    def _guard(self, now: float, po: PoolObservation, pt: PoolTarget, raw: int, reason: str,
+               demand: Demand, sla_n: int | None) -> PoolDecision:
+        cur = po.replicas
+        n = self._clamp(raw, pt)
+        if n != raw:
+            reason += f"; clamped {raw} to [{pt.min_replicas}, {pt.max_replicas}]"
+        if abs(n - cur) > self.cfg.max_step:
+            stepped = cur + self.cfg.max_step * (1 if n > cur else -1)
+            reason += f"; limited to {self.cfg.max_step} per tick (wanted {n})"
+            n = self._clamp(stepped, pt)
+        held = False
+        if n < cur and cur <= pt.max_replicas:
+            since = now - self._last_change.get(po.pool, -math.inf)
+            if since < self.cfg.scale_down_cooldown_s:
+                reason = f"hold scale-down to {n}: cooldown {self.cfg.scale_down_cooldown_s - since:.0f} s left ({reason})"
+                n, held = cur, True
+        if n == cur and not held:
+            reason = f"keep {cur}: {reason}"
+        return PoolDecision(po.pool, cur, n, reason, demand, sla_n, held)
+
+    # ---- across pools --------------------------------------------------------------------------
+    @staticmethod
+    def _apply_budget(decisions: list[PoolDecision], pools: list[PoolTarget], budget: int | None) -> None:
+        if budget is None or not decisions:
+            return
+        g = {PoolKey(p.model, p.role.value): p for p in pools}
+        total = sum(d.desired * g[d.pool].gpus_per_replica for d in decisions)
+        if total <= budget:
+            return
+        alloc = {d.pool: g[d.pool].min_replicas for d in decisions}
+        left = budget - sum(alloc[d.pool] * g[d.pool].gpus_per_replica for d in decisions)
+        want = {d.pool: max(0, d.desired - alloc[d.pool]) for d in decisions}
+        want_gpus = sum(want[k] * g[k].gpus_per_replica for k in want)
+        share = {k: want[k] * g[k].gpus_per_replica * left / want_gpus if want_gpus else 0.0 for k in want}
+        for k in want:
+            extra = min(want[k], int(share[k] // g[k].gpus_per_replica))
+            alloc[k] += extra
+            left -= extra * g[k].gpus_per_replica
+        for k in sorted(want, key=lambda k: (share[k] % g[k].gpus_per_replica) / g[k].gpus_per_replica, reverse=True):
+            if alloc[k] < want[k] + g[k].min_replicas and g[k].gpus_per_replica <= left:
+                alloc[k] += 1
+                left -= g[k].gpus_per_replica
+        for d in decisions:
+            if alloc[d.pool] != d.desired:
+                d.reason += f"; GPU budget {budget} (wanted {total} GPUs in all): {d.desired} -> {alloc[d.pool]}"
+                d.desired = alloc[d.pool]

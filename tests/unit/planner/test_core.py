@@ -1,0 +1,155 @@
+"""PlannerCore.on_tick: modes, guardrails and holds, table-driven, on the toy perf model."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.config import PlannerConfig
+from planner.core import PlannerCore
+from planner.types import PoolObservation
+from workers.telemetry.schema import PoolKey
+
+from .conftest import observe, stats, targets, toy_perf
+
+P = PoolKey("m", "prefill")
+D = PoolKey("m", "decode")
+PT = {"model": "m", "role": "prefill", "ttft_p90_ms": 500, "min_replicas": 1, "max_replicas": 20}
+DT = {"model": "m", "role": "decode", "itl_p90_ms": 15, "min_replicas": 1, "max_replicas": 20}
+
+
+def core(**kw) -> PlannerCore:
+    base = dict(mode="sla", predictor="constant", scale_down_cooldown_s=0, max_step=100)
+    return PlannerCore(PlannerConfig(**{**base, **kw}), default_perf=toy_perf())
+
+
+def pobs(pool=P, replicas=2, age=1.0, **kw) -> PoolObservation:
+    return PoolObservation(pool, replicas, stats(pool, **kw), data_age_s=age)
+
+
+@pytest.mark.parametrize("po,pt,desired,held,words", [
+    # SLA sizing: 50 req/s of 9000 tokens -> 6 prefill replicas (see test_sla)
+    (pobs(rate=50, isl=9000), PT, 6, False, "SLA: prefill"),
+    (pobs(replicas=6, rate=50, isl=9000), PT, 6, False, "keep 6"),
+    # bounds
+    (pobs(rate=50, isl=9000), {**PT, "max_replicas": 4}, 4, False, "clamped 6 to [1, 4]"),
+    (pobs(rate=0.0), {**PT, "min_replicas": 2}, 2, False, "keep 2"),
+    # holds: no telemetry, stale telemetry, but min/max still apply
+    (PoolObservation(P, 3), PT, 3, True, "hold: no telemetry"),
+    (pobs(age=120, rate=50, isl=9000), PT, 2, True, "120 s old"),
+    (PoolObservation(P, 0), PT, 1, True, "min_replicas is 1"),
+    (PoolObservation(P, 30), PT, 20, True, "max_replicas is 20"),
+    # decode: 100 req/s, ctx 1000, ITL 15 ms -> 4
+    (pobs(D, rate=100, isl=950, osl=100), DT, 4, False, "B*=50"),
+])
+def test_single_pool(po, pt, desired, held, words):
+    d = core().on_tick(100.0, observe(targets(pt), po))
+    (pd,) = d.pools
+    assert (pd.desired, pd.held) == (desired, held)
+    assert words in pd.reason
+    assert pd.reason  # every decision says why
+
+
+def test_no_targets_holds_everything():
+    d = core().on_tick(0.0, observe(None, pobs()))
+    assert d.pools == [] and "no targets" in d.reason
+
+
+def test_store_unreachable_holds_and_recovers():
+    c = core()
+    d = c.on_tick(0.0, observe(targets(PT), pobs(rate=50, isl=9000), ok=False))
+    assert d.pools[0].desired == 2 and "unreachable" in d.pools[0].reason
+    d = c.on_tick(60.0, observe(targets(PT), pobs(rate=50, isl=9000)))
+    assert d.pools[0].desired == 6
+
+
+def test_max_step():
+    d = core(max_step=2).on_tick(0.0, observe(targets(PT), pobs(replicas=1, rate=50, isl=9000)))
+    assert d.pools[0].desired == 3 and "limited to 2 per tick (wanted 6)" in d.pools[0].reason
+
+
+def test_scale_down_cooldown():
+    c = core(scale_down_cooldown_s=300)
+    assert c.on_tick(0.0, observe(targets(PT), pobs(replicas=2, rate=50, isl=9000))).pools[0].desired == 6
+    d = c.on_tick(60.0, observe(targets(PT), pobs(replicas=6, rate=1, isl=9000)))
+    assert d.pools[0].desired == 6 and d.pools[0].held and "cooldown 240 s left" in d.pools[0].reason
+    d = c.on_tick(301.0, observe(targets(PT), pobs(replicas=6, rate=1, isl=9000)))
+    assert d.pools[0].desired == 1
+    # scale-up is never held by the cooldown
+    assert c.on_tick(320.0, observe(targets(PT), pobs(replicas=1, rate=50, isl=9000))).pools[0].desired == 6
+
+
+def test_advisory_marks_and_does_not_start_cooldown():
+    c = core(advisory=True, scale_down_cooldown_s=300)
+    d = c.on_tick(0.0, observe(targets(PT), pobs(replicas=2, rate=50, isl=9000)))
+    assert d.advisory and d.pools[0].desired == 6
+    d = c.on_tick(10.0, observe(targets(PT), pobs(replicas=6, rate=1, isl=9000)))
+    assert d.pools[0].desired == 1  # no cooldown: nothing was applied
+
+
+@pytest.mark.parametrize("budget,pd_,dd,words", [
+    (None, 6, 4, None),
+    (10, 6, 4, None),     # fits exactly
+    (8, 5, 3, "GPU budget 8"),   # minimums 1+1 kept; 6 GPUs shared 5:3 -> 3.75/2.25 -> 3+2, the spare one to the larger fraction
+    (2, 1, 1, "GPU budget 2"),   # only the minimums
+])
+def test_gpu_budget(budget, pd_, dd, words):
+    d = core().on_tick(0.0, observe(targets(PT, DT, gpu_budget=budget),
+                                    pobs(P, replicas=1, rate=50, isl=9000), pobs(D, replicas=1, rate=100, isl=950, osl=100)))
+    got = {p.pool.role: p.desired for p in d.pools}
+    assert got == {"prefill": pd_, "decode": dd}
+    assert sum(got.values()) <= (budget or 99)
+    if words:
+        assert any(words in p.reason for p in d.pools)
+
+
+def test_gpus_per_replica_count_against_the_budget():
+    pt = {**PT, "gpus_per_replica": 4}
+    d = core().on_tick(0.0, observe(targets(pt, gpu_budget=12), pobs(replicas=1, rate=50, isl=9000)))
+    assert d.pools[0].desired == 3
+
+
+@pytest.mark.parametrize("queue,replicas,desired", [
+    ([3.0, 0.0], 2, 3),    # a queued worker: +1
+    ([0.0, 0.0], 2, 1),    # quiet: −1
+    ([0.5, 0.5], 2, 2),    # in between
+])
+def test_load_mode(queue, replicas, desired):
+    po = pobs(replicas=replicas, rate=1, isl=1000, ttft_p90=100)
+    po.worker_queue = queue
+    d = core(mode="load").on_tick(0.0, observe(targets(PT), po))
+    assert d.pools[0].desired == desired and d.pools[0].reason.startswith(("load:", "keep"))
+
+
+def test_hybrid_adds_a_load_correction_over_the_sla_floor():
+    c = core(mode="hybrid")
+    po = pobs(replicas=6, rate=50, isl=9000, ttft_p90=900)  # SLA says 6, but TTFT is over target
+    d = c.on_tick(0.0, observe(targets(PT), po))
+    assert d.pools[0].desired == 7 and "+1 load correction" in d.pools[0].reason
+    po = pobs(replicas=7, rate=50, isl=9000, ttft_p90=900)  # still hot: +1 again
+    assert c.on_tick(60.0, observe(targets(PT), po)).pools[0].desired == 8
+    quiet = pobs(replicas=8, rate=50, isl=9000, ttft_p90=100)
+    quiet.worker_queue = [0.0] * 8
+    assert c.on_tick(120.0, observe(targets(PT), quiet)).pools[0].desired == 7  # correction decays
+    calm = pobs(replicas=7, rate=50, isl=9000, ttft_p90=300)
+    calm.worker_queue = [0.5] * 7
+    assert c.on_tick(180.0, observe(targets(PT), calm)).pools[0].desired == 7  # holds the correction
+
+
+def test_kalman_predictor_scales_ahead_of_a_ramp():
+    c = core(predictor="kalman", lookahead_s=120, interval_s=60)
+    desired = []
+    for i in range(10):
+        d = c.on_tick(60.0 * i, observe(targets(PT), pobs(replicas=1, rate=5 + 5 * i, isl=9000)))
+        desired.append(d.pools[0].desired)
+    const = core(predictor="constant").on_tick(0.0, observe(targets(PT), pobs(replicas=1, rate=50, isl=9000))).pools[0].desired
+    assert desired[-1] > const  # at 50 req/s it already sizes for ~60 (three ticks ahead)
+    assert desired == sorted(desired)
+
+
+def test_decision_record_is_json_ready():
+    import json
+
+    d = core().on_tick(5.0, observe(targets(PT), pobs(rate=50, isl=9000)))
+    rec = json.loads(json.dumps(d.as_dict()))
+    assert rec["pools"][0]["desired"] == 6 and rec["pools"][0]["demand"]["request_rate"] == 50
+    assert d.replica_targets() == {P: 6}
