@@ -606,3 +606,26 @@ def test_every_value_is_documented() -> None:
     assert not undocumented, f"values.yaml keys without a comment: {undocumented}"
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert set(_load(CHART / "values.yaml")) <= set(schema["properties"])
+
+
+# ---- the images the chart runs --------------------------------------------------------------------
+
+
+def test_dockerfiles_match_the_chart() -> None:
+    """The Dockerfiles cannot be built here (no Docker engine); check what the chart relies on."""
+    import tomllib
+
+    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    top_level = {p.rstrip("*") for p in packages}
+    values = _load(CHART / "values.yaml")
+    for name in ("Dockerfile", "Dockerfile.vllm"):
+        text = (REPO / "deploy" / name).read_text()
+        assert "no Docker engine" in text
+        assert 'ENTRYPOINT ["kvyard"]' in text  # the chart's `command: ["kvyard"]` is also on PATH
+        copied = set(re.findall(r"^COPY (\w+) ", text, re.M))
+        assert copied == top_level, f"{name} copies {sorted(copied)}, the distribution has {sorted(top_level)}"
+        assert "pip install" in text or "pip wheel" in text
+    uid = values["frontend"]["podSecurityContext"]["runAsUser"]
+    assert f"USER {uid}:{uid}" in (REPO / "deploy" / "Dockerfile").read_text()
+    assert values["planner"]["podSecurityContext"]["runAsUser"] == uid
+    assert values["backends"]["vllm"]["enginePython"] == "python3"
