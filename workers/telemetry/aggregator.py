@@ -1,6 +1,6 @@
 """In-process telemetry aggregator: what the frontend records into, off the token path. Pure, sync.
 
-Per finished request (`record_request`): one count, the TTFT, the request's mean ITL weighted by
+Per admitted request (`record_arrival`): one arrival. Per finished request (`record_request`): one count, the TTFT, the request's mean ITL weighted by
 its token gaps (osl − 1 observations of (duration − ttft)/(osl − 1)), ISL and OSL. Per flush
 (`record_workers`): the pool's summed waiting/running requests, mean KV usage and worker count as
 one gauge sample, and each worker's prefix-cache counter deltas (hit/queried tokens) since its
@@ -36,6 +36,10 @@ class TelemetryAggregator:
         if b is None:
             b = self._buckets[(pool, start)] = PoolBucket(start=start)
         return b
+
+    def record_arrival(self, model: str, role: str = "both", now: float | None = None) -> None:
+        """Called once when a request is admitted (demand, even when the pool is saturated)."""
+        self._bucket(PoolKey(model, role), now).arrivals += 1
 
     def record_request(self, model: str, role: str = "both", *, ttft_s: float | None, duration_s: float,
                        isl: int, osl: int, ok: bool = True, now: float | None = None) -> None:

@@ -19,7 +19,7 @@ __all__ = ["RedisTelemetryStore"]
 
 log = logging.getLogger("kvyard.telemetry")
 
-_INT_FIELDS = {"n", "err", "gn"}
+_INT_FIELDS = {"a", "n", "err", "gn"}
 
 
 def _s(raw: object) -> str:

@@ -13,6 +13,7 @@ Redis schema (prefix defaults to "kvyard"; `{pool}` = quote(model) + "|" + role)
     {prefix}:tm:workers              ZSET    worker id -> epoch of its last sample
     {prefix}:planner:decisions       LIST    planner decisions as JSON, newest first, capped (LTRIM)
 Bucket hash fields:
+    a                 requests that arrived (counted when admitted)
     n, err            requests finished, of which failed
     isl, osl          prompt / generated tokens of the finished requests (sums)
     kvh, kvq          prefix-cache hit / queried prompt tokens (engine counter deltas)
@@ -20,7 +21,7 @@ Bucket hash fields:
                       requests, running requests, mean KV usage (0..1) and worker count
     t:{i}, ts         TTFT histogram count in bucket i (histogram.TTFT_EDGES_MS), and sum (ms)
     i:{i}, is         ITL histogram count in bucket i (histogram.ITL_EDGES_MS), and sum (ms)
-Derived per window: rate = n/s, tokens/s = osl/s, kv hit rate = kvh/kvq, p50/p90/p99 from t:*/i:*.
+Derived per window: arrival rate = a/s, finish rate = n/s, tokens/s = osl/s, kv hit rate = kvh/kvq, p50/p90/p99 from t:*/i:*.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = [
 
 log = logging.getLogger("kvyard.telemetry")
 
-_SCALARS = {"n": "requests", "err": "errors", "isl": "isl_sum", "osl": "osl_sum", "kvh": "kv_hit_tokens",
+_SCALARS = {"a": "arrivals", "n": "requests", "err": "errors", "isl": "isl_sum", "osl": "osl_sum", "kvh": "kv_hit_tokens",
             "kvq": "kv_query_tokens", "gn": "gauge_samples", "gq": "queue_sum", "gr": "running_sum",
             "gk": "kv_usage_sum", "gw": "workers_sum", "ts": "ttft_sum", "is": "itl_sum"}
 
@@ -74,6 +75,7 @@ class PoolBucket:
     """Counts for one pool over one time bucket (or a delta of it, or a merge of several)."""
 
     start: float
+    arrivals: int = 0
     requests: int = 0
     errors: int = 0
     isl_sum: float = 0.0
@@ -97,7 +99,7 @@ class PoolBucket:
         self.itl.merge(other.itl)
 
     def is_empty(self) -> bool:
-        return self.requests == 0 and self.gauge_samples == 0 and self.kv_query_tokens == 0 and self.errors == 0
+        return self.arrivals == 0 and self.requests == 0 and self.gauge_samples == 0 and self.kv_query_tokens == 0 and self.errors == 0
 
     def to_fields(self) -> dict[str, float]:
         """Non-zero fields for HINCRBY / HINCRBYFLOAT (ints stay ints)."""
@@ -140,7 +142,7 @@ def bucket_from_fields(start: float, raw: dict) -> PoolBucket:
                 elif name == "itl_sum":
                     b.itl.sum = v
                 else:
-                    setattr(b, name, int(v) if name in ("requests", "errors", "gauge_samples") else v)
+                    setattr(b, name, int(v) if name in ("arrivals", "requests", "errors", "gauge_samples") else v)
             elif k[:2] in ("t:", "i:"):
                 hist = b.ttft if k[0] == "t" else b.itl
                 idx, count = int(k[2:]), int(v)
@@ -172,6 +174,7 @@ class PoolStats:
     window_s: float
     requests: int
     request_rate: float  # finished requests per second
+    arrival_rate: float  # admitted requests per second (0 if the frontend does not record arrivals)
     avg_isl: float | None
     avg_osl: float | None
     tokens_per_s: float  # generated tokens per second
@@ -197,7 +200,7 @@ def merge_buckets(pool: PoolKey, buckets: list[PoolBucket], window_s: float) -> 
     g = m.gauge_samples
     w = max(window_s, 1e-9)
     return PoolStats(
-        pool=pool, window_s=window_s, requests=m.requests, request_rate=m.requests / w,
+        pool=pool, window_s=window_s, requests=m.requests, request_rate=m.requests / w, arrival_rate=m.arrivals / w,
         avg_isl=m.isl_sum / m.requests if m.requests else None, avg_osl=m.osl_sum / m.requests if m.requests else None,
         tokens_per_s=m.osl_sum / w, kv_hit_rate=m.kv_hit_tokens / m.kv_query_tokens if m.kv_query_tokens else None,
         ttft_p50_ms=m.ttft.quantile(0.5), ttft_p90_ms=m.ttft.quantile(0.9), ttft_p99_ms=m.ttft.quantile(0.99),

@@ -65,3 +65,13 @@ def test_restore_merges_and_bounds():
     batch = agg.drain()
     assert sorted(k[1] for k in batch.buckets) == [1.0, 2.0, 3.0]  # oldest dropped past the bound
     assert batch.buckets[(PoolKey("m"), 2.0)].requests == 2
+
+
+def test_arrivals_are_counted_apart_from_finishes():
+    agg = TelemetryAggregator(TelemetrySchema(bucket_s=10))
+    for _ in range(4):
+        agg.record_arrival("m", "prefill", now=5.0)
+    agg.record_request("m", "prefill", ttft_s=0.1, duration_s=0.1, isl=10, osl=1, now=6.0)
+    (b,) = agg.drain().buckets.values()
+    stats = merge_buckets(PoolKey("m", "prefill"), [b], window_s=10)
+    assert (stats.arrival_rate, stats.request_rate) == (0.4, 0.1)

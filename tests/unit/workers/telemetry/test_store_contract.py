@@ -33,6 +33,7 @@ async def store(request):
 def _batch(now: float, n: int = 3, model: str = "org/m:1", role: str = "decode"):
     agg = TelemetryAggregator(TelemetrySchema(bucket_s=10))
     for i in range(n):
+        agg.record_arrival(model, role, now=now)
         agg.record_request(model, role, ttft_s=0.1 * (i + 1), duration_s=1.0, isl=100, osl=10, now=now)
     return agg.drain()
 
@@ -45,7 +46,7 @@ async def test_write_merges_deltas_into_buckets(store):
     pool = PoolKey("org/m:1", "decode")
     assert list(got) == [pool]
     (b,) = got[pool]
-    assert b.requests == 5 and b.isl_sum == 500 and b.ttft.total == 5 and b.itl.total == 45
+    assert b.arrivals == 5 and b.requests == 5 and b.isl_sum == 500 and b.ttft.total == 5 and b.itl.total == 45
     stats = merge_buckets(pool, got[pool], 10)
     assert stats.ttft_p90_ms == pytest.approx(300, rel=0.16)
 
