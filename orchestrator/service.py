@@ -18,6 +18,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import httpx
 from starlette.requests import ClientDisconnect, Request
@@ -40,9 +41,21 @@ from orchestrator.tokenizer import load_tokenizer
 from router import Endpoint, NoEndpointsError, RouteRequest, Router
 from workers.types import WorkerInfo
 
-__all__ = ["InferenceService"]
+__all__ = ["InferenceService", "Dispatched"]
 
 log = logging.getLogger("kvyard.frontend")
+
+@dataclass(slots=True)
+class Dispatched:
+    """A routed request whose engine has answered with headers; its body is yet to be relayed."""
+
+    rreq: RouteRequest
+    endpoint: Endpoint
+    resp: httpx.Response
+    stream: bool
+    include_usage: bool
+    t0: float
+
 
 _KINDS = {
     "completions": ("/v1/completions", CompletionRequest),
@@ -116,17 +129,22 @@ class InferenceService:
 
     # ---- the request path --------------------------------------------------------------------
 
-    async def handle(self, request: Request, kind: str) -> Response:
+    async def dispatch(self, raw: bytes, kind: str, request_id: str | None = None) -> Dispatched:
+        """Validate, route and open the engine response; transport-neutral (HTTP and gRPC call this).
+
+        On return the engine has answered with headers; the caller must consume the response with
+        `stream_events` / `unary_body`, or `release` it, so the router's bookkeeping is closed.
+        """
         t0 = time.perf_counter()
         path, model_cls = _KINDS[kind]
-        req, body = parse_request(await self._read_body(request), model_cls)
+        req, body = parse_request(raw, model_cls)
         info = self.pool.info_for(req.model)
         if info is None:
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
         ids = self._prompt_ids(req, info)
         self._check_lengths(req, ids, info)
         endpoints = self.pool.endpoints(req.model)
-        rid = request.headers.get("x-request-id") or f"kvy-{uuid.uuid4().hex}"
+        rid = request_id or f"kvy-{uuid.uuid4().hex}"
         rreq = RouteRequest(request_id=rid, model=req.model, token_ids=ids, max_tokens=req.requested_max_tokens() or 0)
         try:
             decision = self.router.route(rreq, endpoints)
@@ -144,19 +162,27 @@ class InferenceService:
             self._finish(rreq, t0, "error")
             raise
         self.metrics.routed.labels(req.model, ep.worker_id, decision.policy).inc()
-        headers = {"x-request-id": rid, "x-kvyard-worker": ep.worker_id}
-        if resp.status_code >= 400:  # the engine refused the request (client error): pass it on as is
-            body_bytes = await resp.aread()
-            await resp.aclose()
-            self._finish(rreq, t0, str(resp.status_code))
-            return Response(body_bytes, status_code=resp.status_code, media_type="application/json", headers=headers)
-        if req.stream:
-            return StreamingResponse(
-                self._stream(rreq, resp, req.include_usage, t0),
-                media_type="text/event-stream; charset=utf-8",
-                headers={**headers, "cache-control": "no-cache"},
-            )
-        return await self._unary(request, rreq, resp, t0, headers)
+        return Dispatched(rreq, ep, resp, req.stream, req.include_usage, t0)
+
+    async def release(self, d: Dispatched, status: str) -> bytes:
+        """Read and close a response that will not be relayed (e.g. the engine's own 4xx)."""
+        try:
+            return await d.resp.aread()
+        finally:
+            await d.resp.aclose()
+            self._finish(d.rreq, d.t0, status)
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        """HTTP: body limits, then dispatch, then SSE or JSON back to the client."""
+        d = await self.dispatch(await self._read_body(request), kind, request.headers.get("x-request-id"))
+        headers = {"x-request-id": d.rreq.request_id, "x-kvyard-worker": d.endpoint.worker_id}
+        if d.resp.status_code >= 400:  # the engine refused the request (client error): pass it on as is
+            body_bytes = await self.release(d, str(d.resp.status_code))
+            return Response(body_bytes, status_code=d.resp.status_code, media_type="application/json", headers=headers)
+        if d.stream:
+            return StreamingResponse(self.stream_events(d), media_type="text/event-stream; charset=utf-8",
+                                     headers={**headers, "cache-control": "no-cache"})
+        return await self._unary(request, d, headers)
 
     async def _send(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes, stream: bool):
         """POST to the ranked engines in turn until one answers below 500."""
@@ -189,7 +215,9 @@ class InferenceService:
             return ep, resp
         raise ServiceUnavailableError(f"no engine could serve the request ({last_error})", retry_after=self.cfg.retry_after_s)
 
-    async def _stream(self, rreq: RouteRequest, resp: httpx.Response, forward_usage: bool, t0: float):
+    async def stream_events(self, d: Dispatched):
+        """Relay the engine's SSE events (bytes, each ending in a blank line) until [DONE]."""
+        rreq, resp, forward_usage, t0 = d.rreq, d.resp, d.include_usage, d.t0
         stats = StreamStats()
         model = rreq.model
         itl = self.metrics.itl.labels(model)
@@ -215,22 +243,36 @@ class InferenceService:
                 self.metrics.osl.labels(model).observe(stats.usage.get("completion_tokens", 0))
             self._finish(rreq, t0, status)
 
-    async def _unary(self, request: Request, rreq: RouteRequest, resp: httpx.Response, t0: float, headers: dict) -> Response:
-        read = asyncio.ensure_future(resp.aread())
+    async def _unary(self, request: Request, d: Dispatched, headers: dict) -> Response:
+        read = asyncio.ensure_future(self.unary_body(d))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if read not in done:  # client left: drop the engine connection so the engine aborts
+            if read not in done:  # client left: cancelling the read drops the engine connection, the engine aborts
                 read.cancel()
-                self._finish(rreq, t0, "cancelled")
+                await asyncio.gather(read, return_exceptions=True)
                 return Response(status_code=499)
             content = read.result()
-        except httpx.HTTPError as exc:
-            self._finish(rreq, t0, "engine_error")
-            raise ServiceUnavailableError(f"the engine failed mid-response: {type(exc).__name__}", retry_after=self.cfg.retry_after_s) from exc
         finally:
             gone.cancel()
+        return Response(content, status_code=d.resp.status_code, media_type="application/json", headers=headers)
+
+    async def unary_body(self, d: Dispatched) -> bytes:
+        """Read a non-streaming engine response; cancelling this aborts the engine request."""
+        rreq, resp, t0 = d.rreq, d.resp, d.t0
+        status = "ok"
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as exc:
+            status = "engine_error"
+            raise ServiceUnavailableError(f"the engine failed mid-response: {type(exc).__name__}", retry_after=self.cfg.retry_after_s) from exc
+        except BaseException:
+            status = "cancelled"
+            raise
+        finally:
             await resp.aclose()
+            if status != "ok":
+                self._finish(rreq, t0, status)
         self.router.on_first_token(rreq.request_id)
         try:
             usage = json.loads(content).get("usage") or {}
@@ -238,7 +280,7 @@ class InferenceService:
         except (ValueError, AttributeError):
             pass
         self._finish(rreq, t0, "ok")
-        return Response(content, status_code=resp.status_code, media_type="application/json", headers=headers)
+        return content
 
     def _finish(self, rreq: RouteRequest, t0: float, status: str) -> None:
         self.router.on_complete(rreq.request_id)
