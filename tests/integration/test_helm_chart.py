@@ -283,7 +283,11 @@ def test_frontend_config_file_reaches_the_frontend(rendered: dict[str, list[dict
     # the config is loaded by the real FrontendConfig (unknown keys would raise)
     from orchestrator.config import FrontendConfig
 
-    FrontendConfig(**yaml.safe_load(cm["data"]["frontend.yaml"])["frontend"])
+    loaded = yaml.safe_load(cm["data"]["frontend.yaml"])["frontend"]
+    FrontendConfig(**loaded)
+    assert set(loaded) <= set(FrontendConfig.model_fields)
+    schema_keys = json.loads((CHART / "values.schema.json").read_text())["properties"]["frontend"]["properties"]["config"]["properties"]
+    assert set(schema_keys) <= set(FrontendConfig.model_fields), "values.schema.json types a key FrontendConfig lacks"
 
 
 def test_worker_pools_gpus_ports_probes(rendered: dict[str, list[dict]]) -> None:
@@ -629,3 +633,14 @@ def test_dockerfiles_match_the_chart() -> None:
     assert f"USER {uid}:{uid}" in (REPO / "deploy" / "Dockerfile").read_text()
     assert values["planner"]["podSecurityContext"]["runAsUser"] == uid
     assert values["backends"]["vllm"]["enginePython"] == "python3"
+
+
+def test_example_configs_load_with_the_real_config_classes() -> None:
+    from orchestrator.config import ClusterConfig, FrontendConfig, load_yaml
+
+    frontend = load_yaml(REPO / "deploy" / "examples" / "frontend.yaml")["frontend"]
+    FrontendConfig(**frontend)
+    assert set(frontend) <= set(FrontendConfig.model_fields)  # pydantic would ignore a misspelt key
+    cluster = load_yaml(REPO / "deploy" / "examples" / "local-sim.yaml")
+    ClusterConfig(**cluster)
+    assert set(cluster) <= set(ClusterConfig.model_fields) and set(cluster["frontend"]) <= set(FrontendConfig.model_fields)
