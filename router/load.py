@@ -1,6 +1,8 @@
 """Predicted load per endpoint, kept by the router itself.
 
-Every routed request adds to its endpoint's in-flight count, prefill tokens and active blocks;
+Every routed request adds to its endpoint's in-flight count, its prefill tokens (the prompt tokens
+not already cached there: prompt_tokens - cached_tokens) and its active blocks (all of its prompt
+blocks, cached or not: they are all read while it decodes);
 the first token removes its prefill tokens; completion (success, error or cancel) removes the rest.
 Requests never completed expire after `ttl_s` (default 300 s, as Dynamo) so a lost callback cannot
 leave a worker looking busy forever. Pure and synchronous; the caller supplies the clock.
@@ -31,16 +33,26 @@ class LoadTracker:
         self._loads: dict[str, EndpointLoad] = {}
 
     def load(self, worker_id: str) -> EndpointLoad:
-        return self._loads.setdefault(worker_id, EndpointLoad())
+        ld = self._loads.get(worker_id)
+        if ld is None:
+            ld = self._loads[worker_id] = EndpointLoad()
+        return ld
 
-    def on_routed(self, request_id: str, worker_id: str, prompt_tokens: int, block_size: int, now: float | None = None) -> None:
+    def peek(self, worker_id: str) -> EndpointLoad | None:
+        """The worker's load if anything was ever booked on it (no entry is created)."""
+        return self._loads.get(worker_id)  # Router binds self._loads.get directly on its hot path
+
+    def on_routed(
+        self, request_id: str, worker_id: str, prompt_tokens: int, block_size: int, now: float | None = None, cached_tokens: int = 0
+    ) -> None:
         if request_id in self._active:
             self.on_complete(request_id)
         blocks = -(-prompt_tokens // max(block_size, 1))
-        self._active[request_id] = _Active(worker_id, prompt_tokens, blocks, time.monotonic() if now is None else now)
+        prefill = max(0, prompt_tokens - cached_tokens)
+        self._active[request_id] = _Active(worker_id, prefill, blocks, time.monotonic() if now is None else now)
         ld = self.load(worker_id)
         ld.inflight_requests += 1
-        ld.prefill_tokens += prompt_tokens
+        ld.prefill_tokens += prefill
         ld.active_blocks += blocks
 
     def on_first_token(self, request_id: str) -> None:

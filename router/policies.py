@@ -1,20 +1,25 @@
-"""Routing policies by name: weighted scorers + a picker.
+"""Routing policies by name: weighted scorers + a picker (+ the KV index the policy routes on).
 
-    kvyard policy      scorers (weight)     picker
-    round-robin        -                    round-robin
-    random             -                    random
-    least-loaded       load (1.0)           max-score (random tie-break)
+    kvyard policy      scorers (weight)     picker                         index
+    round-robin        -                    round-robin                    -
+    random             -                    random                         -
+    least-loaded       load (1.0)           max-score (random tie-break)   -
+    kv                 kv cost (1.0)        max-score, or softmax(T > 0)   KvIndex
 
-The KV-aware policy registers here too. Factories are the single table of names.
+kv parameters: overlap_weight (1.0), temperature (0.0), index (a KvIndex to share, e.g. with the
+event ingestor; a new one by default), seed (picker RNG, for tests). Factories are the single
+table of names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.interfaces import Picker, Scorer
-from router.plugins import LoadScorer, MaxScorePicker, RandomPicker, RoundRobinPicker
+from router.kv_index import KvIndex
+from router.plugins import KvCostScorer, LoadScorer, MaxScorePicker, RandomPicker, RoundRobinPicker, SoftmaxPicker
 
 __all__ = ["Policy", "build_policy", "policy_names"]
 
@@ -24,12 +29,19 @@ class Policy:
     name: str
     picker: Picker
     scorers: list[tuple[Scorer, float]] = field(default_factory=list)
+    index: KvIndex | None = None  # set when the policy routes on cached prefixes
 
 
-_FACTORIES: dict[str, Callable[[], Policy]] = {
+def _kv(overlap_weight: float = 1.0, temperature: float = 0.0, index: KvIndex | None = None, seed: int | None = None) -> Policy:
+    picker = SoftmaxPicker(temperature, seed) if temperature > 0 else MaxScorePicker(seed)
+    return Policy("kv", picker, [(KvCostScorer(overlap_weight), 1.0)], index if index is not None else KvIndex())
+
+
+_FACTORIES: dict[str, Callable[..., Policy]] = {
     "round-robin": lambda: Policy("round-robin", RoundRobinPicker()),
     "random": lambda: Policy("random", RandomPicker()),
     "least-loaded": lambda: Policy("least-loaded", MaxScorePicker(), [(LoadScorer(), 1.0)]),
+    "kv": _kv,
 }
 
 
@@ -37,8 +49,13 @@ def policy_names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def build_policy(name: str) -> Policy:
+def build_policy(name: str, **params: Any) -> Policy:
+    """A fresh policy by name; `params` go to its factory (only kv takes any)."""
     try:
-        return _FACTORIES[name]()
+        factory = _FACTORIES[name]
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(policy_names())}") from None
+    try:
+        return factory(**params)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for routing policy {name!r}: {exc}") from None

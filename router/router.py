@@ -1,14 +1,23 @@
 """Router: the one entry point the frontend calls per request.
 
-route() = score (weighted, clamped) -> pick (ranking) -> book the load on the best endpoint.
-The frontend reports back with on_first_token() and on_complete() on every path (success, error,
-cancel, failover), which keeps the predicted load honest. Pure and synchronous.
+route() = merge loads -> match the prompt prefix (policies with a KV index) -> score (weighted,
+clamped) -> pick (ranking) -> book the load on the best endpoint.
+
+The prefix step hashes the prompt once (router/hashing.py, at the block size of the first
+endpoint; a model's workers share one) into `request.block_hashes` and looks it up in the
+policy's index into `request.overlap_blocks`, which scorers read. Booking charges the endpoint
+with the prompt tokens not cached there and, for workers without KV events, records the blocks
+as predicted cache contents. The frontend reports back with on_first_token() and on_complete()
+on every path (success, error, cancel, failover), which keeps the predicted load honest.
+Pure and synchronous.
 """
 
 from __future__ import annotations
 
 import time
 
+from router.hashing import block_hashes
+from router.kv_index import KvIndex
 from router.load import LoadTracker
 from router.policies import Policy, build_policy
 from router.types import Endpoint, RouteRequest, RoutingDecision
@@ -26,22 +35,34 @@ class Router:
         self.loads = load or LoadTracker()
         self.last_decision_s = 0.0
 
+    @property
+    def kv_index(self) -> KvIndex | None:
+        """The prefix index the policy routes on (feed it with router.events.KvEventIngestor)."""
+        return self.policy.index
+
     def route(self, request: RouteRequest, endpoints: list[Endpoint]) -> RoutingDecision:
         if not endpoints:
             raise NoEndpointsError(f"no live worker serves model {request.model!r}")
         t0 = time.perf_counter()
-        for ep in endpoints:
-            ep.load = self._merged_load(ep)
+        self._merge_loads(endpoints)
+        if self.policy.index is not None:
+            self._match_prefix(request, endpoints[0].block_size)
         scores = self._score(request, endpoints)
         ranked = self.policy.picker.rank(scores, endpoints)
-        decision = RoutingDecision(ranked=ranked, scores=scores, policy=self.policy.name)
-        self.book(request, decision.best)
+        decision = RoutingDecision(ranked=ranked, scores=scores, policy=self.policy.name, overlap_blocks=request.overlap_blocks)
+        self.book(request, ranked[0])
         self.last_decision_s = time.perf_counter() - t0
         return decision
 
     def book(self, request: RouteRequest, endpoint: Endpoint) -> None:
         """Record that `request` now runs on `endpoint` (also used on failover to the next-ranked one)."""
-        self.loads.on_routed(request.request_id, endpoint.worker_id, request.isl, endpoint.block_size)
+        wid = endpoint.worker_id
+        bs = endpoint.block_size
+        cached = request.overlap_blocks.get(wid, 0) * bs if bs == request.hashed_block_size else 0
+        self.loads.on_routed(request.request_id, wid, request.isl, bs, cached_tokens=cached)
+        index = self.policy.index
+        if index is not None and request.block_hashes and bs == request.hashed_block_size:
+            index.record_routed(wid, request.block_hashes)
 
     def on_first_token(self, request_id: str) -> None:
         self.loads.on_first_token(request_id)
@@ -51,17 +72,36 @@ class Router:
 
     def remove_worker(self, worker_id: str) -> None:
         self.loads.remove_worker(worker_id)
+        if self.policy.index is not None:
+            self.policy.index.remove_worker(worker_id)
 
-    def _merged_load(self, ep: Endpoint):
-        own = self.loads.load(ep.worker_id)
-        own.engine_waiting = ep.load.engine_waiting
-        own.engine_kv_usage = ep.load.engine_kv_usage
-        return own
+    def _merge_loads(self, endpoints: list[Endpoint]) -> None:
+        """Each endpoint's load = the router's own bookkeeping + the engine fields of its last scrape."""
+        peek = self.loads._loads.get  # LoadTracker.peek without the extra call frame (64+ per route)
+        for ep in endpoints:
+            own = peek(ep.worker_id)
+            if own is None or own is ep.load:  # nothing booked yet (own counters 0), or merged already
+                continue
+            scraped = ep.load
+            own.engine_waiting = scraped.engine_waiting
+            own.engine_kv_usage = scraped.engine_kv_usage
+            ep.load = own
+
+    def _match_prefix(self, request: RouteRequest, block_size: int) -> None:
+        if request.block_hashes is None or request.hashed_block_size != block_size:
+            request.block_hashes = block_hashes(request.token_ids, block_size, request.lora_name)
+            request.hashed_block_size = block_size
+        request.overlap_blocks = self.policy.index.find_matches(request.block_hashes)
 
     def _score(self, request: RouteRequest, endpoints: list[Endpoint]) -> dict[str, float]:
+        results = [(scorer.score(request, endpoints), weight) for scorer, weight in self.policy.scorers]
+        if len(results) == 1:  # the common case: one scorer with weight 1 whose scores need no clamping
+            raw, weight = results[0]
+            if weight == 1.0 and len(raw) == len(endpoints) and 0.0 <= min(raw.values()) and max(raw.values()) <= 1.0:
+                return raw
         total = {ep.worker_id: 0.0 for ep in endpoints}
-        for scorer, weight in self.policy.scorers:
-            for wid, s in scorer.score(request, endpoints).items():
+        for raw, weight in results:
+            for wid, s in raw.items():
                 if wid in total:
                     total[wid] += weight * min(1.0, max(0.0, s))
         return total

@@ -16,6 +16,10 @@ class RouteRequest:
     token_ids: list[int] = field(default_factory=list)
     max_tokens: int = 0
     lora_name: str | None = None
+    # Filled by Router.route when the policy has a KV index (read by scorers, never written by them):
+    block_hashes: list[int] | None = None  # chained hashes of the full blocks (router/hashing.py)
+    hashed_block_size: int = 0  # the block size block_hashes were computed for
+    overlap_blocks: dict[str, int] = field(default_factory=dict)  # worker_id -> cached prefix blocks
 
     @property
     def isl(self) -> int:
@@ -52,7 +56,12 @@ class RoutingDecision:
     ranked: list[Endpoint]
     scores: dict[str, float]
     policy: str
+    overlap_blocks: dict[str, int] = field(default_factory=dict)  # worker_id -> cached prefix blocks
 
     @property
     def best(self) -> Endpoint:
         return self.ranked[0]
+
+    def overlap_of(self, endpoint: Endpoint) -> int:
+        """Prompt blocks already cached on `endpoint` (0 when the policy keeps no KV index)."""
+        return self.overlap_blocks.get(endpoint.worker_id, 0)

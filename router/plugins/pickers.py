@@ -1,17 +1,28 @@
 """Pickers: turn summed scores into a ranking.
 
-- max-score: highest score first; ties broken at random (so equal workers share load).
+- max-score: highest score first; a tie for first place is broken uniformly at random (so equal
+  workers share load); the rest keep score order, ties in input order.
+- softmax: first place sampled with p(w) proportional to exp(score(w) / temperature), then the rest
+  in score order. With the kv cost scorer this is Dynamo's softmax over -(logit / (max - min)) / T;
+  temperature <= 0 is max-score.
 - random: a uniformly random order (ignores scores).
 - round-robin: rotates a cursor over the endpoints sorted by id (ignores scores).
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 from router.types import Endpoint
 
-__all__ = ["MaxScorePicker", "RandomPicker", "RoundRobinPicker"]
+__all__ = ["MaxScorePicker", "RandomPicker", "RoundRobinPicker", "SoftmaxPicker"]
+
+
+def _score_order(scores: dict[str, float], endpoints: list[Endpoint]) -> tuple[list[float], list[int]]:
+    get = scores.get
+    vals = [get(ep.worker_id, 0.0) for ep in endpoints]
+    return vals, sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # stable: ties keep input order
 
 
 class MaxScorePicker:
@@ -21,9 +32,31 @@ class MaxScorePicker:
         self._rng = random.Random(seed)
 
     def rank(self, scores: dict[str, float], endpoints: list[Endpoint]) -> list[Endpoint]:
-        keyed = [(-scores.get(ep.worker_id, 0.0), self._rng.random(), ep) for ep in endpoints]
-        keyed.sort(key=lambda t: (t[0], t[1]))
-        return [ep for _, _, ep in keyed]
+        vals, order = _score_order(scores, endpoints)
+        ties = vals.count(vals[order[0]])
+        if ties > 1:  # rotate the tied leaders by a uniform offset: each is first with p = 1/ties
+            r = self._rng.randrange(ties)
+            order[:ties] = order[r:ties] + order[:r]
+        return [endpoints[i] for i in order]
+
+
+class SoftmaxPicker:
+    name = "softmax"
+
+    def __init__(self, temperature: float = 0.0, seed: int | None = None) -> None:
+        self.temperature = temperature
+        self._rng = random.Random(seed)
+        self._argmax = MaxScorePicker(seed)
+
+    def rank(self, scores: dict[str, float], endpoints: list[Endpoint]) -> list[Endpoint]:
+        if self.temperature <= 0:
+            return self._argmax.rank(scores, endpoints)
+        vals, order = _score_order(scores, endpoints)
+        top = vals[order[0]]
+        weights = [math.exp((v - top) / self.temperature) for v in vals]
+        first = self._rng.choices(range(len(vals)), weights)[0]
+        order.remove(first)
+        return [endpoints[first]] + [endpoints[i] for i in order]
 
 
 class RandomPicker:

@@ -1,0 +1,106 @@
+"""Hot loops of the router: C (router._kvcore) when built, else these identical Python twins.
+
+    MaskTable        our block hash -> bitmask of worker slots (bit = 1 << slot)
+      add(keys, slot) -> keys that already had the slot's bit      (mask |= bit)
+      remove(keys, slot)                                            (mask &= ~bit; 0 -> deleted)
+      get(key) -> mask (0 when absent);  len(table) -> entries;  nbytes -> memory held
+      match(keys) -> [(depth, mask), ...]
+          active = mask(keys[0]); for k >= 1: kept = mask(keys[k]) & active; where kept != active
+          the workers in active & ~kept matched exactly k blocks -> (k, active & ~kept); stop when
+          nothing is active; workers active after the last key matched all: (len(keys), active).
+    kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight) -> {worker_id: score}
+          the kv cost scorer (formula in router/plugins/kv.py), bit-identical floats in both.
+
+The C table stores keys and masks inline (16 bytes per entry for up to 64 workers, 3/4 full at
+most), where a dict of Python ints costs ~10x the memory and 4 cache misses per lookup.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["IMPLEMENTATION", "MaskTable", "PyMaskTable", "kv_scores", "py_kv_scores"]
+
+
+class PyMaskTable:
+    def __init__(self) -> None:
+        self._d: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    @property
+    def nbytes(self) -> int:
+        return sys.getsizeof(self._d) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self._d.items())
+
+    def get(self, key: int) -> int:
+        return self._d.get(key, 0)
+
+    def add(self, keys, slot: int) -> list[int]:
+        d = self._d
+        bit = 1 << slot
+        had = []
+        for k in keys:
+            m = d.get(k, 0)
+            if m & bit:
+                had.append(k)
+            else:
+                d[k] = m | bit
+        return had
+
+    def remove(self, keys, slot: int) -> None:
+        d = self._d
+        inv = ~(1 << slot)
+        for k in keys:
+            m = d.get(k)
+            if m is None:
+                continue
+            rest = m & inv
+            if rest:
+                d[k] = rest
+            else:
+                del d[k]
+
+    def match(self, keys) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        if not keys:
+            return out
+        get = self._d.get
+        active = get(keys[0], 0)
+        for k in range(1, len(keys)):
+            if not active:
+                return out
+            kept = get(keys[k], 0) & active
+            if kept != active:
+                out.append((k, active & ~kept))
+                active = kept
+        if active:
+            out.append((len(keys), active))
+        return out
+
+
+def py_kv_scores(endpoints, overlaps: dict[str, int], isl: int, hashed_block_size: int, overlap_weight: float) -> dict[str, float]:
+    logits = []
+    for ep in endpoints:
+        bs = ep.block_size
+        if bs <= 0:
+            raise ValueError("endpoint block_size must be positive")
+        ov = overlaps.get(ep.worker_id, 0) if overlaps and bs == hashed_block_size else 0
+        ld = ep.load
+        logits.append(overlap_weight * (isl - ov * bs + ld.prefill_tokens) / bs + (-(-isl // bs) - ov + ld.active_blocks))
+    hi = max(logits)
+    span = hi - min(logits)
+    wids = [ep.worker_id for ep in endpoints]
+    if span <= 0:
+        return dict.fromkeys(wids, 1.0)
+    inv = 1.0 / span
+    return dict(zip(wids, [(hi - x) * inv for x in logits]))
+
+
+try:
+    from router._kvcore import MaskTable, kv_scores
+
+    IMPLEMENTATION = "c"
+except ImportError:
+    MaskTable, kv_scores = PyMaskTable, py_kv_scores  # type: ignore[misc]
+    IMPLEMENTATION = "python"

@@ -1,0 +1,311 @@
+"""The prefix index: which workers hold which prefix blocks. Pure and synchronous.
+
+    owners : our chained block hash -> bitmask of worker slots holding it (router._kvcore.MaskTable)
+    worker : slot, bit = 1 << slot, and
+             blocks    engine block id -> our hash (any engine's hash algorithm; ids stay opaque)
+             extra     our hash -> further engine ids mapping to it (salted duplicates; rare)
+             predicted approximate mode only: routed-to hashes in time buckets (router/kv_approx.py)
+
+Because each chained hash names its whole prefix (router/hashing.py), matching is a walk over the
+request's hashes: `find_matches(h) = {worker: number of consecutive blocks from the start it holds}`,
+AND-ing the owner masks and stopping as soon as no worker is left (MaskTable.match, in C).
+
+Events (engine-neutral, workers/kv_events.py):
+    BlockStored(block_hashes, parent, token_ids, block_size, lora_name)
+        our hashes = block_hashes(token_ids, block_size, lora_name, parent=blocks[parent]);
+        a parent id the worker never stored is rejected (as Dynamo does): its chain is unknown.
+    BlockRemoved(block_hashes)      engine ids the worker never stored are ignored.
+    AllBlocksCleared / remove_worker   drop exactly that worker's entries.
+Only the GPU tier (medium None or "GPU") is indexed; offload tiers are ignored. A rejected event
+raises KvEventRejected and leaves the index exactly as it was. Store and remove cost a few dict
+operations per block, done in C batches (measured in benchmarks/router_micro.py).
+
+Workers with no event source run in approximate mode: `record_routed` (called by the router at
+booking time) predicts that the request's blocks are now cached there, for `approx_ttl_s`
+(default 120 s, as Dynamo) and at most `approx_max_blocks` per worker (default 2^17, pruned to
+0.8 of that, oldest first). A worker the index has never heard of is put in approximate mode on
+its first routed request, with a warning; an event-fed worker that has had `silent_warn_after`
+(default 50) requests routed to it and published no event at all gets a warning too.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from itertools import repeat
+
+from router._kernels import MaskTable
+from router.errors import BlockHashError, KvEventRejected
+from router.hashing import block_hashes
+from router.kv_approx import Predicted
+from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
+__all__ = ["KvIndex"]
+
+log = logging.getLogger("kvyard.router.kv_index")
+
+_GPU = (None, "GPU", "gpu")
+
+
+@dataclass(slots=True, eq=False)
+class _Worker:
+    worker_id: str
+    slot: int
+    block_size: int | None = None
+    blocks: dict[int, int] = field(default_factory=dict)
+    extra: dict[int, int] = field(default_factory=dict)
+    predicted: Predicted | None = None
+    events: int = 0
+    routed: int = 0
+
+
+class KvIndex:
+    def __init__(
+        self,
+        approx_ttl_s: float = 120.0,
+        approx_max_blocks: int = 1 << 17,
+        approx_prune_ratio: float = 0.8,
+        auto_approximate: bool = True,
+        silent_warn_after: int = 50,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.approx_ttl_s = approx_ttl_s
+        self.approx_max_blocks = approx_max_blocks
+        self.approx_prune_ratio = approx_prune_ratio
+        self.auto_approximate = auto_approximate
+        self.silent_warn_after = silent_warn_after
+        self.clock = clock
+        self._owners = MaskTable()
+        self._workers: dict[str, _Worker] = {}
+        self._by_slot: list[_Worker | None] = []
+        self._free: list[int] = []
+
+    # ---- workers -----------------------------------------------------------------------------
+
+    def add_worker(self, worker_id: str, approximate: bool = False, block_size: int | None = None) -> None:
+        """Register a worker (idempotent). Switching mode drops what the other mode knew."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            slot = heapq.heappop(self._free) if self._free else len(self._by_slot)
+            w = _Worker(worker_id, slot)
+            if slot == len(self._by_slot):
+                self._by_slot.append(w)
+            else:
+                self._by_slot[slot] = w
+            self._workers[worker_id] = w
+        elif approximate != (w.predicted is not None):
+            self.clear_worker(worker_id)
+        if block_size is not None:
+            w.block_size = block_size
+        if approximate and w.predicted is None:
+            w.predicted = Predicted(self.approx_ttl_s)
+            log.warning(
+                "worker %s publishes no KV events: routing to it on PREDICTED cache contents only "
+                "(approximate mode, TTL %.0f s); enable the engine's KV events for exact prefix routing",
+                worker_id, self.approx_ttl_s,
+            )
+        elif not approximate:
+            w.predicted = None
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker and every entry it had; its slot is reused later."""
+        if worker_id not in self._workers:
+            return
+        self.clear_worker(worker_id)
+        w = self._workers.pop(worker_id)
+        self._by_slot[w.slot] = None
+        heapq.heappush(self._free, w.slot)
+
+    def clear_worker(self, worker_id: str) -> None:
+        """Drop all of a worker's entries (AllBlocksCleared, a gap nothing can replay, a restart)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return
+        self._owners.remove(list(w.blocks.values()), w.slot)
+        w.blocks.clear()
+        w.extra.clear()
+        if w.predicted is not None:
+            self._owners.remove(list(w.predicted.all()), w.slot)
+            w.predicted.clear()
+
+    def workers(self) -> list[str]:
+        return sorted(self._workers)
+
+    def is_approximate(self, worker_id: str) -> bool:
+        w = self._workers.get(worker_id)
+        return w is not None and w.predicted is not None
+
+    def tree_sizes(self) -> dict[str, int]:
+        """Distinct prefix blocks indexed per worker."""
+        return {
+            wid: len(w.blocks) - sum(w.extra.values()) + (w.predicted.size() if w.predicted else 0)
+            for wid, w in self._workers.items()
+        }
+
+    def __len__(self) -> int:
+        """Distinct block hashes indexed (over all workers)."""
+        return len(self._owners)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the hash -> workers table (not counting the per-worker id maps)."""
+        return self._owners.nbytes
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def apply(self, worker_id: str, event: KvEvent) -> int:
+        """Apply one event from `worker_id`; returns the number of blocks it touched.
+
+        Raises KvEventRejected (index unchanged) for an event that cannot be applied.
+        """
+        if isinstance(event, BlockStored):
+            if event.medium not in _GPU:
+                return 0
+            return self.store(worker_id, event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_name)
+        if isinstance(event, BlockRemoved):
+            return 0 if event.medium not in _GPU else self.remove(worker_id, event.block_hashes)
+        if isinstance(event, AllBlocksCleared):
+            self._event_worker(worker_id)
+            self.clear_worker(worker_id)
+            return 0
+        raise KvEventRejected(f"unknown event type {type(event).__name__}")
+
+    def apply_batch(self, worker_id: str, events: Iterable[KvEvent]) -> list[KvEventRejected]:
+        """Apply events in order; a rejected one is skipped and returned, the rest still apply."""
+        rejected = []
+        for ev in events:
+            try:
+                self.apply(worker_id, ev)
+            except KvEventRejected as exc:
+                rejected.append(exc)
+        return rejected
+
+    def store(self, worker_id: str, engine_hashes: list[int], parent: int | None, token_ids, block_size: int, lora_name: str | None = None) -> int:
+        n = len(engine_hashes)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise KvEventRejected(f"BlockStored from {worker_id}: block_size {block_size!r} is not a positive int")
+        if len(token_ids) != n * block_size:
+            raise KvEventRejected(f"BlockStored from {worker_id}: {len(token_ids)} tokens for {n} blocks of {block_size}")
+        w = self._event_worker(worker_id)
+        if n == 0:
+            return 0
+        if w.block_size is not None and block_size != w.block_size:
+            raise KvEventRejected(f"BlockStored from {worker_id}: block_size {block_size}, but the worker registered {w.block_size}")
+        blocks = w.blocks
+        ours_parent = None
+        if parent is not None:
+            ours_parent = blocks.get(parent) if isinstance(parent, int) else None
+            if ours_parent is None:
+                raise KvEventRejected(f"BlockStored from {worker_id}: parent block {parent} was never stored there")
+        try:
+            ours = block_hashes(token_ids, block_size, lora_name, ours_parent)
+        except BlockHashError as exc:
+            raise KvEventRejected(f"BlockStored from {worker_id}: {exc}") from exc
+        try:
+            fresh = len(set(engine_hashes)) == n and blocks.keys().isdisjoint(engine_hashes)
+        except TypeError as exc:  # unhashable ids
+            raise KvEventRejected(f"BlockStored from {worker_id}: block ids must be ints") from exc
+        if fresh:
+            blocks.update(zip(engine_hashes, ours))
+            extra = w.extra
+            for h in self._owners.add(ours, w.slot):
+                extra[h] = extra.get(h, 0) + 1
+            return n
+        for e, h in zip(engine_hashes, ours):  # re-stored ids (replay overlap, full re-reports)
+            old = blocks.get(e)
+            if old == h:
+                continue
+            if old is not None:
+                self._unref(w, [old])
+            blocks[e] = h
+            for dup in self._owners.add([h], w.slot):
+                w.extra[dup] = w.extra.get(dup, 0) + 1
+        return n
+
+    def remove(self, worker_id: str, engine_hashes: list[int]) -> int:
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0
+        w.events += 1
+        try:
+            ours = [h for h in map(w.blocks.pop, engine_hashes, repeat(None)) if h is not None]
+        except TypeError as exc:
+            raise KvEventRejected(f"BlockRemoved from {worker_id}: block ids must be ints") from exc
+        self._unref(w, ours)
+        return len(ours)
+
+    def _unref(self, w: _Worker, ours: list[int]) -> None:
+        extra = w.extra
+        if extra:
+            gone = []
+            for h in ours:
+                c = extra.get(h)
+                if c is None:
+                    gone.append(h)
+                elif c == 1:
+                    del extra[h]
+                else:
+                    extra[h] = c - 1
+            ours = gone
+        self._owners.remove(ours, w.slot)
+
+    def _event_worker(self, worker_id: str) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None or w.predicted is not None:
+            self.add_worker(worker_id, approximate=False)
+            w = self._workers[worker_id]
+        w.events += 1
+        return w
+
+    # ---- queries and approximate mode --------------------------------------------------------
+
+    def find_matches(self, hashes: list[int]) -> dict[str, int]:
+        """worker_id -> consecutive blocks of `hashes` it holds from the start (only workers > 0)."""
+        if not hashes:
+            return {}
+        out: dict[str, int] = {}
+        by_slot = self._by_slot
+        for depth, mask in self._owners.match(hashes):
+            while mask:
+                low = mask & -mask
+                out[by_slot[low.bit_length() - 1].worker_id] = depth
+                mask ^= low
+        return out
+
+    def record_routed(self, worker_id: str, hashes: list[int], now: float | None = None) -> None:
+        """A request with these block hashes was routed to `worker_id` (approximate mode bookkeeping)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            if not self.auto_approximate:
+                return
+            self.add_worker(worker_id, approximate=True)
+            w = self._workers[worker_id]
+        w.routed += 1
+        p = w.predicted
+        if p is None:
+            if w.events == 0 and w.routed == self.silent_warn_after:
+                log.warning("worker %s: %d requests routed and not one KV event received; is its KV event publisher on?", worker_id, w.routed)
+            return
+        if not hashes:
+            return
+        now = self.clock() if now is None else now
+        self._expire_worker(w, now)
+        p.add(hashes, now)
+        self._owners.add(hashes, w.slot)
+        if p.size() > self.approx_max_blocks:
+            self._owners.remove(p.prune(int(self.approx_max_blocks * self.approx_prune_ratio)), w.slot)
+
+    def expire(self, now: float | None = None) -> None:
+        """Drop predicted entries older than the TTL (call every few seconds)."""
+        now = self.clock() if now is None else now
+        for w in self._workers.values():
+            if w.predicted is not None:
+                self._expire_worker(w, now)
+
+    def _expire_worker(self, w: _Worker, now: float) -> None:
+        dropped = w.predicted.expire(now)
+        if dropped:
+            self._owners.remove(dropped, w.slot)
