@@ -202,7 +202,10 @@ BAD_VALUES = {
     "bad-redis-url": ("redis: {bundled: false, external: {url: 'localhost:6379'}}", ["/redis/external/url", "does not match pattern"]),
     "bad-interval": ("metrics: {serviceMonitor: {enabled: true, interval: 15 seconds}}", ["/metrics/serviceMonitor/interval"]),
     "short-admin-token": ("auth: {adminToken: hunter2}", ["/auth/adminToken", "does not match pattern"]),
-    "negative-target": ("planner: {targets: {ttftSeconds: -0.5}}", ["/planner/targets/ttftSeconds"]),
+    "negative-target": ("planner: {targets: {ttftMs: -5}}", ["/planner/targets/ttftMs", "exclusiveMinimum"]),
+    "bad-planner-mode": ("planner: {mode: aggressive}", ["/planner/mode", "value must be one of 'sla', 'load', 'hybrid'"]),
+    "unknown-planner-setting": ("planner: {config: {cooldown: 5}}", ["/planner/config", "'cooldown' not allowed"]),
+    "max-replicas-zero": ("pools: [{name: agg, backend: sim, model: m, replicas: 0, maxReplicas: 0}]", ["/pools/0/maxReplicas", "minimum"]),
     # cross-field rules, enforced in templates (messages start with "kvyard:")
     "duplicate-pool-names": ("pools: [{name: agg, backend: sim, model: m}, {name: agg, backend: sim, model: other}]",
                              ["kvyard: pools[1]", "\"agg\" is used twice"]),
@@ -210,6 +213,10 @@ BAD_VALUES = {
     "decode-without-prefill": ("pools: [{name: d, backend: sim, role: decode, model: m}]", ["kvyard: pool d", "no prefill pool"]),
     "vllm-pd-without-connector": ("pools: [{name: p, backend: vllm, role: prefill, model: m}, {name: d, backend: vllm, role: decode,"
                                   " model: m, pd: {connector: NixlConnector}}]", ["kvyard: pools[0] (p)", "needs pd.connector"]),
+    "same-model-and-role-twice": ("pools: [{name: a, backend: sim, model: m}, {name: b, backend: sim, model: m}]",
+                                  ["kvyard: pools[1] (b)", "pool a already serves \"m\" as both"]),
+    "gpu-budget-below-floor": ("planner: {gpuBudget: 3}\npools: [{name: agg, backend: vllm, model: m, gpus: 2, replicas: 2, minReplicas: 2}]",
+                               ["kvyard: planner.gpuBudget 3 is below the 4 GPUs"]),
     "replicas-above-max": ("pools: [{name: agg, backend: sim, model: m, replicas: 5, maxReplicas: 3}]",
                            ["kvyard: pools[0] (agg)", "above maxReplicas 3"]),
     "replicas-below-min": ("pools: [{name: agg, backend: sim, model: m, replicas: 0, minReplicas: 1}]",
@@ -380,20 +387,50 @@ def test_planner_role_grants_only_scaling_the_pools(rendered: dict[str, list[dic
     assert not find(rendered["external-redis-url"], "Role")  # planner disabled: no RBAC at all
 
 
-def test_planner_config_lists_pools_and_targets(rendered: dict[str, list[dict]]) -> None:
-    objs = rendered["vllm-disagg-gpu"]
-    cfg = yaml.safe_load(one(objs, "ConfigMap", "demo-kvyard-planner")["data"]["planner.yaml"])["planner"]
-    assert cfg["connector"] == {"kind": "kubernetes", "namespace": NAMESPACE}
-    assert cfg["targets"] == {"ttft_s": 0.3, "itl_s": 0.025, "tokens_per_s": 20000}
-    assert [(p["name"], p["deployment"], p["role"], p["min_replicas"], p["max_replicas"], p["gpus_per_replica"]) for p in cfg["pools"]] == [
-        ("prefill", "demo-kvyard-pool-prefill", "prefill", 1, 6, 1), ("decode", "demo-kvyard-pool-decode", "decode", 2, 10, 1)]
-    c = container(one(objs, "Deployment", "demo-kvyard-planner"))
-    assert c["args"][:2] == ["planner", "--redis-url=$(KVYARD_REDIS_URL)"]
+def _planner_file(objs: list[dict], name: str) -> dict:
+    return yaml.safe_load(one(objs, "ConfigMap", name)["data"]["planner.yaml"])
+
+
+def test_planner_config_loads_with_the_real_models(rendered: dict[str, list[dict]]) -> None:
+    from planner.config import PlannerConfig
+    from workers.telemetry.targets import Targets
+
+    for name, cm in (("default", "demo-kvyard-planner"), ("vllm-disagg-gpu", "demo-kvyard-planner"), ("sim-only", "demo-kvyard-planner"),
+                     ("all-backends", "kv-planner")):
+        doc = _planner_file(rendered[name], cm)
+        assert set(doc) == {"connector", "metrics_port", "planner", "targets", "kubernetes"}
+        assert doc["connector"] == "kubernetes" and doc["kubernetes"]["namespace"] == NAMESPACE
+        PlannerConfig(**doc["planner"])  # extra="forbid": a misspelt key fails here
+        targets = Targets(**doc["targets"])
+        pools = {d["metadata"]["name"]: d for d in find(rendered[name], "Deployment")
+                 if d["metadata"]["labels"]["app.kubernetes.io/component"] == "worker"}
+        mapping = {(d["model"], d["role"]): d["deployment"] for d in doc["kubernetes"]["deployments"]}
+        assert sorted(mapping.values()) == sorted(pools), name
+        for (model, role), dep_name in mapping.items():
+            meta = pools[dep_name]["metadata"]
+            assert meta["annotations"]["kvyard.io/served-model-name"] == model and meta["labels"]["kvyard.io/role"] == role
+            assert targets.pool(model, role) is not None
+    doc = _planner_file(rendered["vllm-disagg-gpu"], "demo-kvyard-planner")
+    assert doc["planner"] == {"mode": "hybrid", "advisory": False, "interval_s": 60, "default_ttft_ms": 300, "default_itl_ms": 25}
+    assert doc["targets"]["gpu_budget"] == 16
+    assert [(p["role"], p["min_replicas"], p["max_replicas"], p["gpus_per_replica"], p["ttft_p90_ms"], p.get("tokens_per_s"))
+            for p in doc["targets"]["pools"]] == [("prefill", 1, 6, 1, 300, None), ("decode", 2, 10, 1, 300, 20000)]
+    extra = _planner_file(rendered["all-backends"], "kv-planner")["planner"]
+    assert extra["scale_down_cooldown_s"] == 120 and extra["advisory"] is True and extra["mode"] == "load"
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    config_keys = set(schema["properties"]["planner"]["properties"]["config"]["properties"])
+    assert config_keys <= set(PlannerConfig.model_fields), "values.schema.json types a planner key PlannerConfig lacks"
+    dedicated = {"mode", "advisory", "interval_s", "default_ttft_ms", "default_itl_ms"}
+    assert dedicated <= set(PlannerConfig.model_fields) and not dedicated & config_keys
+
+
+def test_planner_deployment(rendered: dict[str, list[dict]]) -> None:
+    dep = one(rendered["vllm-disagg-gpu"], "Deployment", "demo-kvyard-planner")
+    c = container(dep)
+    assert c["args"] == ["planner", "--redis-url=$(KVYARD_REDIS_URL)", "--discovery-prefix=kvyard", "--config=/etc/kvyard/planner.yaml"]
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": 9090}
     assert c["livenessProbe"] and c["readinessProbe"] and c["resources"]
-    assert one(objs, "Deployment", "demo-kvyard-planner")["spec"]["strategy"] == {"type": "Recreate"}
-    extra = yaml.safe_load(one(rendered["all-backends"], "ConfigMap", "kv-planner")["data"]["planner.yaml"])["planner"]
-    assert extra["cooldown_s"] == 120 and extra["dry_run"] is True and extra["mode"] == "load"
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
 
 
 def test_redis_bundled_or_external(rendered: dict[str, list[dict]]) -> None:

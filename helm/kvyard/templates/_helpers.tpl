@@ -134,6 +134,9 @@ rules the schema cannot express, failing with a "kvyard:" message.
 {{- if not (hasKey $p "role") }}{{ $_ := set $pool "role" "both" }}{{ end }}
 {{- if not (hasKey $p "replicas") }}{{ $_ := set $pool "replicas" 1 }}{{ end }}
 {{- if not (hasKey $p "pd") }}{{ $_ := set $pool "pd" dict }}{{ end }}
+{{- $targets := deepCopy $root.Values.planner.targets }}
+{{- range $k, $v := (default dict $p.targets) }}{{ $_ := set $targets $k $v }}{{ end }}
+{{- $_ := set $pool "targets" $targets }}
 {{- if hasKey $seen $pool.name }}
 {{- fail (printf "kvyard: pools[%d]: pool name %q is used twice; pool names must be unique" $i $pool.name) }}
 {{- end }}
@@ -162,7 +165,10 @@ rules the schema cannot express, failing with a "kvyard:" message.
 {{- fail (printf "kvyard: pools[%d] (%s): engineConfig is for trtllm pools only; pass engine flags in engineArgs" $i $pool.name) }}
 {{- end }}
 {{- $key := printf "%s|%s" $pool.servedModelName $pool.role }}
-{{- $_ := set $roles $key true }}
+{{- if hasKey $roles $key }}
+{{- fail (printf "kvyard: pools[%d] (%s): pool %s already serves %q as %s; the planner keys pools by (served model, role), so merge them or change servedModelName" $i $pool.name (get $roles $key) $pool.servedModelName $pool.role) }}
+{{- end }}
+{{- $_ := set $roles $key $pool.name }}
 {{- $out = append $out $pool }}
 {{- end }}
 {{- range $out }}
