@@ -5,8 +5,9 @@ all label sets, i.e. over `engine` (data-parallel ranks) and `model_name`, excep
 usage fraction, which is averaged over engines so it stays in [0, 1]. Older names are accepted
 as fallbacks where a release used a different one.
 
-Parsing never raises: the text is parsed with `prometheus_client.parser` in one go, and if the
-parser rejects it anywhere, again line by line, skipping the lines it cannot read. NaN and
+Parsing never raises: the sample lines of the wanted metrics are picked out first (a full
+exposition is ~700 lines and the parser is slow), parsed with `prometheus_client.parser` in one
+go, and if the parser rejects any of them, again line by line, skipping the lines it cannot read. NaN and
 infinite samples are ignored.
 """
 
@@ -42,6 +43,18 @@ def _samples(text: str) -> Iterable[tuple[str, float]]:
             yield sample.name, sample.value
 
 
+def _wanted_lines(text: str) -> list[str]:
+    """Only the sample lines we read: the full exposition is ~700 lines and the parser is slow."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("vllm:"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in _WANTED:
+                out.append(line)
+    return out
+
+
 def _collect(text: str) -> dict[str, list[float]]:
     values: dict[str, list[float]] = {}
 
@@ -50,15 +63,13 @@ def _collect(text: str) -> dict[str, list[float]]:
             if name in _WANTED and isinstance(value, (int, float)) and math.isfinite(value):
                 values.setdefault(name, []).append(float(value))
 
+    lines = _wanted_lines(text)
     try:
-        add(list(_samples(text)))
+        add(list(_samples("\n".join(lines) + "\n")))
         return values
     except Exception:  # noqa: BLE001 - the parser raises assorted errors on junk; fall back per line
         values.clear()
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#") or not line.startswith("vllm:"):
-            continue
+    for line in lines:
         try:
             add(list(_samples(line + "\n")))
         except Exception:  # noqa: BLE001 - skip the unreadable line
