@@ -4,9 +4,11 @@ links to it). Edit this script, then run it:
     .venv/bin/python deploy/grafana/make_dashboard.py > deploy/grafana/kvyard.json
 
 Metric names: the frontend's kvyard_* (orchestrator/metrics.py), the engines' vllm:* (also emitted by the
-sim engine), and the planner's kvyard_planner_* gauges (replicas, target_replicas{pool},
-target_ttft_seconds, target_itl_seconds, target_tokens_per_second{pool}). pool/role/component labels
-come from the chart's ServiceMonitor relabelings.
+sim engine), the planner's kvyard_planner_* gauges (planner/metrics.py; labels model, role), and three
+target gauges the planner does not export yet, assumed here as kvyard_planner_target_ttft_seconds,
+kvyard_planner_target_itl_seconds and kvyard_planner_target_tokens_per_second {model, role} (the
+TTFT/ITL p90 and tokens/s targets of workers.telemetry.targets, in seconds). pool/role/component
+labels on engine series come from the chart's ServiceMonitor relabelings.
 """
 import json
 DS = {"type": "prometheus", "uid": "${datasource}"}
@@ -27,8 +29,11 @@ def row(title):
                    "gridPos": {"h": 1, "w": 24, "x": 0, "y": y[0]}, "panels": []})
     y[0] += 1
 
-def ts(title, desc, targets, unit, x, w=12, h=8, target_series=(), stack=False, kind="timeseries"):
+def ts(title, desc, targets, unit, x, w=12, h=8, target_series=(), stack=False, kind="timeseries", dashed_regex=None):
     overrides = []
+    if dashed_regex:
+        overrides.append({"matcher": {"id": "byRegexp", "options": dashed_regex}, "properties": [
+            {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}]})
     for name in target_series:
         overrides.append({"matcher": {"id": "byName", "options": name}, "properties": [
             {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}},
@@ -57,17 +62,17 @@ def q(h, metric, sel, by=""):
 row("Latency and throughput against the planner's targets")
 ts("Time to first token", "Frontend-measured TTFT quantiles (kvyard_time_to_first_token_seconds) against the planner's TTFT target (kvyard_planner_target_ttft_seconds, dashed).",
    [(q(0.5, "kvyard_time_to_first_token_seconds", SEL), "p50"), (q(0.9, "kvyard_time_to_first_token_seconds", SEL), "p90"),
-    (q(0.99, "kvyard_time_to_first_token_seconds", SEL), "p99"), (f"max(kvyard_planner_target_ttft_seconds{{{NS}}})", "target")],
+    (q(0.99, "kvyard_time_to_first_token_seconds", SEL), "p99"), (f"min(kvyard_planner_target_ttft_seconds{{{SEL}}})", "target")],
    "s", 0, target_series=["target"])
 ts("Inter-token latency", "Frontend-measured ITL quantiles (kvyard_inter_token_latency_seconds) against the planner's ITL target (kvyard_planner_target_itl_seconds, dashed).",
    [(q(0.5, "kvyard_inter_token_latency_seconds", SEL), "p50"), (q(0.9, "kvyard_inter_token_latency_seconds", SEL), "p90"),
-    (q(0.99, "kvyard_inter_token_latency_seconds", SEL), "p99"), (f"max(kvyard_planner_target_itl_seconds{{{NS}}})", "target")],
+    (q(0.99, "kvyard_inter_token_latency_seconds", SEL), "p99"), (f"min(kvyard_planner_target_itl_seconds{{{SEL}}})", "target")],
    "s", 12, target_series=["target"])
 y[0] += 8
 ts("Output tokens/s", "Tokens streamed to clients (sum of kvyard_output_sequence_tokens) and generated per pool by the engines, against the planner's tokens/s target (kvyard_planner_target_tokens_per_second, dashed).",
    [(f"sum(rate(kvyard_output_sequence_tokens_sum{{{SEL}}}{R}))", "frontend"),
     (f"sum by (pool) (rate(vllm:generation_tokens_total{{{W}}}{R}))", "engines {{pool}}"),
-    (f"sum(kvyard_planner_target_tokens_per_second{{{W}}})", "target")],
+    (f"sum(kvyard_planner_target_tokens_per_second{{{SEL}}})", "target")],
    "tps", 0, target_series=["target"])
 ts("Requests/s by status", "kvyard_requests_total by status; non-2xx statuses are errors seen by clients.",
    [(f"sum by (status) (rate(kvyard_requests_total{{{SEL}}}{R}))", "{{status}}"),
@@ -75,11 +80,11 @@ ts("Requests/s by status", "kvyard_requests_total by status; non-2xx statuses ar
    "reqps", 12)
 y[0] += 8
 row("Pools")
-ts("Replicas per pool", "Replicas the planner has applied (kvyard_planner_replicas) and wants (kvyard_planner_target_replicas, dashed), and engines Prometheus can scrape (up).",
-   [(f"max by (pool) (kvyard_planner_replicas{{{W}}})", "{{pool}} applied"),
-    (f"max by (pool) (kvyard_planner_target_replicas{{{W}}})", "{{pool}} target"),
-    (f'count by (pool) (up{{{W}, component="worker"}} == 1)', "{{pool}} live")],
-   "short", 0)
+ts("Replicas per pool", "Per (model, role) pool: replicas the connector reports (kvyard_planner_current_replicas) and the planner's decision (kvyard_planner_desired_replicas, dashed); per chart pool, engines Prometheus scrapes (up).",
+   [(f"max by (model, role) (kvyard_planner_current_replicas{{{SEL}}})", "{{model}} {{role}}"),
+    (f"max by (model, role) (kvyard_planner_desired_replicas{{{SEL}}})", "{{model}} {{role}} desired"),
+    (f'count by (pool) (up{{{W}, component="worker"}} == 1)', "{{pool}} live engines")],
+   "short", 0, dashed_regex=".* desired")
 ts("KV cache hit rate", "Share of prompt tokens served from the engines' prefix cache (vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total), per pool.",
    [(f"sum by (pool) (rate(vllm:prefix_cache_hits_total{{{W}}}{R})) / clamp_min(sum by (pool) (rate(vllm:prefix_cache_queries_total{{{W}}}{R})), 1)", "{{pool}}")],
    "percentunit", 12)
@@ -98,6 +103,17 @@ ts("Engines by role", "Live engines per role (both = aggregated).",
 ts("Prefill vs decode tokens/s", "Prompt tokens processed and tokens generated per second, by pool role.",
    [(f"sum by (role) (rate(vllm:prompt_tokens_total{{{NS}}}{R}))", "prompt {{role}}"),
     (f"sum by (role) (rate(vllm:generation_tokens_total{{{NS}}}{R}))", "generated {{role}}")], "tps", 8, w=16, stack=True)
+y[0] += 8
+row("Planner")
+ts("Predicted demand", "The planner's forecast per pool (kvyard_planner_predicted_request_rate) against the observed request rate.",
+   [(f"max by (model, role) (kvyard_planner_predicted_request_rate{{{SEL}}})", "{{model}} {{role}} predicted"),
+    (f"sum by (model) (rate(kvyard_requests_total{{{SEL}}}{R}))", "{{model}} observed")], "reqps", 0, w=8)
+ts("Replicas by role", "Prefill / decode / aggregated replicas the planner manages (sum of kvyard_planner_current_replicas by role).",
+   [(f"sum by (role) (kvyard_planner_current_replicas{{{SEL}}})", "{{role}}")], "short", 8, w=8, stack=True)
+ts("Planner ticks", "Ticks by outcome (kvyard_planner_ticks_total); telemetry_ok 0 means the planner is holding still; advisory 1 means it only records.",
+   [(f"sum by (outcome) (increase(kvyard_planner_ticks_total{{{NS}}}[$__range]))", "{{outcome}}"),
+    (f"min(kvyard_planner_telemetry_ok{{{NS}}})", "telemetry_ok"),
+    (f"max(kvyard_planner_advisory{{{NS}}})", "advisory")], "short", 16, w=8)
 y[0] += 8
 row("Router")
 ts("Routing decisions by worker", "kvyard_router_decisions_total: how the router spreads requests.",
