@@ -331,6 +331,10 @@ def test_worker_pools_gpus_ports_probes(rendered: dict[str, list[dict]]) -> None
         assert vols["models"]["persistentVolumeClaim"]["claimName"] == "llama-weights"
         assert dep["spec"]["template"]["metadata"]["labels"]["kvyard.io/role"] == role
         assert c["image"] == "registry.example.com/kvyard-vllm:0.1.0"
+    # the frontend sees the model directory the workers register as their tokenizer folder
+    fe = one(objs, "Deployment", "demo-kvyard-frontend")
+    assert {m["mountPath"] for m in container(fe)["volumeMounts"] if m["name"] == "models"} == {"/models"}
+    assert {v["name"] for v in fe["spec"]["template"]["spec"]["volumes"]} >= {"config", "tmp", "models"}
 
 
 def test_sglang_and_trtllm_pd_settings(rendered: dict[str, list[dict]]) -> None:
