@@ -58,7 +58,9 @@ class EngineProcess:
 
     def start(self) -> None:
         spec = self.backend.launch_spec(self.cfg)
-        env = {**os.environ, **spec.env}
+        # PYTHONHASHSEED would silently re-seed vLLM's block-hash chain: the engine gets it only if the spec sets it
+        inherited = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        env = {**inherited, **spec.env}
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")

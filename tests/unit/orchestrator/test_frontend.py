@@ -85,7 +85,7 @@ async def test_stream_usage_chunk_only_when_asked(frontend, include_usage):
         (json.dumps({"model": "m"}).encode(), 400, "prompt"),
         (json.dumps({"model": "m", "prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens"),
         (json.dumps({"model": "m", "prompt": "x", "max_tokens": 10**9}).encode(), 400, "max_tokens"),
-        (json.dumps({"model": "m", "prompt": "x", "n": 3}).encode(), 400, "n"),
+        (json.dumps({"model": "m", "prompt": "x", "n": 0}).encode(), 400, "n"),
         (json.dumps({"model": "m", "prompt": "word " * 200}).encode(), 400, "prompt"),  # > 64-token context
         (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "model"),
         (json.dumps({"model": "m", "prompt": "x" * 5000}).encode(), 413, None),
