@@ -42,8 +42,8 @@ def py_chain_hashes(tokens, block_size: int, seed: int = BASE_SEED, parent: int 
     """Pure-Python twin of `_kvcore.chain_hashes` (same values, same errors)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
-    if isinstance(tokens, (list, tuple)):
-        buf = array("I", tokens)  # TypeError / OverflowError exactly where the C version raises
+    if isinstance(tokens, (list, tuple)):  # only full blocks are read, as in C
+        buf = array("I", tokens[: len(tokens) - len(tokens) % block_size])  # TypeError / OverflowError as in C
     else:
         view = memoryview(tokens)
         if view.itemsize != 4 or view.format.lstrip("=@<") not in ("I", "L"):

@@ -1,0 +1,199 @@
+"""The prefix index, driven with literal events on both kernel implementations."""
+
+from __future__ import annotations
+
+import pytest
+
+from router import KvEventRejected, KvIndex, block_hashes
+from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+from .conftest import assert_consistent
+
+BS = 4
+T = list(range(100, 132))  # 8 blocks of 4
+H = block_hashes(T, BS)  # our ids of the 8 prefixes
+
+
+def stored(ids, parent, first_block, n=None, **kw):
+    n = len(ids) if n is None else n
+    return BlockStored(list(ids), parent, T[first_block * BS:(first_block + n) * BS], BS, **kw)
+
+
+def test_store_chains_from_parent_and_matches(impl):
+    ix = KvIndex()
+    ix.apply("a", stored([11, 12], None, 0))
+    ix.apply("a", stored([13], 12, 2))  # parent = engine id 12 -> continues our chain
+    ix.apply("b", stored([21], None, 0))
+    assert ix.find_matches(H) == {"a": 3, "b": 1}
+    assert ix.find_matches(H[:2]) == {"a": 2, "b": 1}
+    assert ix.find_matches(block_hashes(T[:8], BS)) == {"a": 2, "b": 1}
+    assert ix.find_matches(block_hashes([1] * 8, BS)) == {}
+    assert ix.find_matches([]) == {}
+    assert ix.tree_sizes() == {"a": 3, "b": 1} and len(ix) == 3
+    assert_consistent(ix)
+
+
+@pytest.mark.parametrize(
+    "ids_a, ids_b",
+    [
+        ([1, 2, 3], [2**64 - 1, 7, 2**63]),  # two engines, two unrelated id schemes
+        ([5, 6, 7], [5, 6, 7]),  # the same ids on two workers do not collide
+    ],
+)
+def test_engine_ids_are_opaque_and_per_worker(impl, ids_a, ids_b):
+    ix = KvIndex()
+    ix.apply("a", stored(ids_a, None, 0))
+    ix.apply("b", stored(ids_b, None, 0))
+    assert ix.find_matches(H) == {"a": 3, "b": 3}
+    ix.apply("a", BlockRemoved([ids_a[1]]))  # a's middle block: a now matches 1
+    assert ix.find_matches(H) == {"a": 1, "b": 3}
+    assert_consistent(ix)
+
+
+def test_remove_middle_block_cuts_the_match_and_unknown_ids_are_ignored(impl):
+    ix = KvIndex()
+    ix.apply("a", stored([1, 2, 3, 4], None, 0))
+    assert ix.apply("a", BlockRemoved([3, 999])) == 1
+    assert ix.find_matches(H) == {"a": 2}
+    assert ix.apply("zzz", BlockRemoved([1])) == 0  # a worker the index never saw
+    assert_consistent(ix)
+
+
+def test_all_blocks_cleared_and_remove_worker_touch_only_that_worker(impl):
+    ix = KvIndex()
+    ix.apply("a", stored([1, 2], None, 0))
+    ix.apply("b", stored([1, 2, 3], None, 0))
+    ix.apply("a", AllBlocksCleared())
+    assert ix.find_matches(H) == {"b": 3} and ix.workers() == ["a", "b"]
+    ix.apply("a", stored([1], None, 0))
+    ix.remove_worker("b")
+    assert ix.find_matches(H) == {"a": 1} and ix.workers() == ["a"]
+    ix.apply("c", stored([9], None, 0))  # reuses b's slot
+    assert ix.find_matches(H) == {"a": 1, "c": 1}
+    assert_consistent(ix)
+
+
+def test_duplicate_store_is_idempotent_and_salted_duplicates_are_refcounted(impl):
+    ix = KvIndex()
+    ix.apply("a", stored([1, 2], None, 0))
+    ix.apply("a", stored([1, 2], None, 0))  # replay overlap: same ids again
+    assert ix.tree_sizes() == {"a": 2}
+    ix.apply("a", stored([51, 52], None, 0))  # same tokens under other ids (e.g. a cache salt)
+    assert ix.tree_sizes() == {"a": 2}
+    ix.apply("a", BlockRemoved([1, 2]))
+    assert ix.find_matches(H) == {"a": 2}  # still held through 51, 52
+    ix.apply("a", BlockRemoved([51, 52]))
+    assert ix.find_matches(H) == {}
+    assert_consistent(ix)
+
+
+def test_restored_id_with_other_tokens_moves(impl):
+    ix = KvIndex()
+    ix.apply("a", stored([1], None, 0))
+    ix.apply("a", BlockStored([1], None, [7, 7, 7, 7], BS))  # engine reused id 1 for other content
+    assert ix.find_matches(H) == {}
+    assert ix.find_matches(block_hashes([7, 7, 7, 7], BS)) == {"a": 1}
+    assert_consistent(ix)
+
+
+@pytest.mark.parametrize(
+    "event, why",
+    [
+        (BlockStored([1], 424242, T[:4], BS), "parent"),  # parent never stored there
+        (BlockStored([1, 2], None, T[:5], BS), "tokens"),  # 5 tokens for 2 blocks of 4
+        (BlockStored([1], None, T[:8], 8), "block_size"),  # not the worker's block size
+        (BlockStored([1], None, [-1, 0, 0, 0], BS), "hash"),  # not a uint32 token
+        (BlockStored([1], None, [], 0), "block_size"),
+        (BlockStored([[1]], None, T[:4], BS), "ints"),  # unhashable id
+    ],
+)
+def test_rejected_events_leave_the_index_unchanged(impl, event, why):
+    ix = KvIndex()
+    ix.add_worker("a", block_size=BS)
+    ix.apply("a", stored([5, 6], None, 0))
+    before = (ix.find_matches(H), ix.tree_sizes(), len(ix))
+    with pytest.raises(KvEventRejected):
+        ix.apply("a", event)
+    assert (ix.find_matches(H), ix.tree_sizes(), len(ix)) == before
+    assert_consistent(ix)
+
+
+def test_offload_tiers_are_not_indexed(impl):
+    ix = KvIndex()
+    ix.apply("a", stored([1, 2], None, 0, medium="CPU"))
+    assert ix.find_matches(H) == {}
+    ix.apply("a", stored([1, 2], None, 0, medium="GPU"))
+    ix.apply("a", BlockRemoved([1], medium="CPU"))  # gone from CPU: GPU copy stays
+    assert ix.find_matches(H) == {"a": 2}
+
+
+def test_lora_blocks_match_only_lora_requests(impl):
+    ix = KvIndex()
+    ix.apply("a", stored([1, 2], None, 0, lora_name="sql"))
+    assert ix.find_matches(H) == {}
+    assert ix.find_matches(block_hashes(T, BS, lora_name="sql")) == {"a": 2}
+
+
+def test_more_than_64_workers(impl):
+    ix = KvIndex()
+    for i in range(150):
+        ix.apply(f"w{i}", stored([i * 10 + k for k in range(1 + i % 3)], None, 0))
+    m = ix.find_matches(H)
+    assert len(m) == 150 and all(m[f"w{i}"] == 1 + i % 3 for i in range(150))
+    for i in range(0, 150, 2):
+        ix.remove_worker(f"w{i}")
+    assert sorted(ix.find_matches(H)) == sorted(f"w{i}" for i in range(1, 150, 2))
+    assert_consistent(ix)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_approximate_mode_predicts_routed_blocks_with_ttl(impl, caplog):
+    clock = Clock()
+    ix = KvIndex(approx_ttl_s=120, clock=clock)
+    with caplog.at_level("WARNING"):
+        ix.record_routed("a", H[:3])  # never heard of: approximate mode, loudly
+    assert "PREDICTED" in caplog.text and ix.is_approximate("a")
+    assert ix.find_matches(H) == {"a": 3}
+    clock.t += 100
+    ix.record_routed("a", H[:5])  # touched again: lives on
+    clock.t += 100
+    ix.expire()
+    assert ix.find_matches(H) == {"a": 5}
+    clock.t += 136  # 120 s TTL + 15 s bucket after the last touch
+    ix.expire()
+    assert ix.find_matches(H) == {}
+    assert_consistent(ix)
+
+
+def test_approximate_mode_is_capped(impl):
+    ix = KvIndex(approx_max_blocks=100, clock=Clock())
+    for i in range(50):
+        ix.record_routed("a", block_hashes([i] * 40, BS))  # 10 blocks each
+    assert ix.tree_sizes()["a"] <= 100
+    assert_consistent(ix)
+
+
+def test_events_switch_a_predicted_worker_to_exact(impl):
+    ix = KvIndex()
+    ix.record_routed("a", H)
+    ix.apply("a", stored([1], None, 0))  # first real event: predictions dropped
+    assert not ix.is_approximate("a") and ix.find_matches(H) == {"a": 1}
+    ix.record_routed("a", H)  # event-fed workers are not predicted
+    assert ix.find_matches(H) == {"a": 1}
+    assert_consistent(ix)
+
+
+def test_silent_publisher_warning(caplog):
+    ix = KvIndex(silent_warn_after=3)
+    ix.add_worker("a")
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            ix.record_routed("a", H)
+    assert "not one KV event" in caplog.text
