@@ -100,7 +100,8 @@ def test_completion_and_stream_agree_and_are_deterministic(sim):
                           "prompt_tokens_details": None, "completion_tokens_details": None}  # fmt: skip
     chunks = sse(sim.post("/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}).text)
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == a["choices"][0]["text"]
-    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * 11 + ["length"]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks[:-1]]  # tokens may coalesce under load, as in vLLM
+    assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
     other = sim.post("/v1/completions", {**body, "prompt": "Something else entirely."}).json()
     assert other["choices"][0]["text"] != a["choices"][0]["text"]
@@ -112,7 +113,7 @@ def test_chat_stream_and_default_max_tokens(sim):
     assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
     chunks = sse(r.text)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and len(chunks) == 6
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and 2 <= len(chunks) <= 6
     full = sim.post("/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 5}).json()
     assert full["id"].startswith("chatcmpl-") and full["choices"][0]["message"]["role"] == "assistant"
     assert full["choices"][0]["message"]["content"] == "".join(c["choices"][0]["delta"]["content"] for c in chunks[1:])

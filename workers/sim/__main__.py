@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     from workers.sim.server import build_app
 
     app = build_app(cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=30)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=30,
+                loop=cfg.uvicorn_loop, http=cfg.uvicorn_http)
 
 
 if __name__ == "__main__":

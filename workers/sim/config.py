@@ -10,6 +10,7 @@ Sim flags:
   --profile h200-llama3.1-8b | h100-llama3.3-70b-tp2|tp4|tp8 | <dir with prefill.npz, decode.npz>
   --speedup 1.0 (all step times divided by it)   --num-gpu-blocks (default max_kv_tokens // block_size)
   --seed 0 (output text)   --hash-seed (NONE_HASH seed; the CLI passes PYTHONHASHSEED like vLLM does)
+  --uvicorn-loop auto|asyncio|uvloop   --uvicorn-http auto|h11|httptools (auto: the fastest installed)
 Unknown vLLM flags are accepted and ignored, so a vLLM command line runs unchanged.
 """
 
@@ -70,6 +71,8 @@ class SimConfig:
     enable_prompt_tokens_details: bool = False
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     log_level: str = "warning"
+    uvicorn_loop: str = "auto"  # auto picks uvloop when installed
+    uvicorn_http: str = "auto"  # auto picks httptools when installed
 
     @property
     def model_name(self) -> str:
@@ -95,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hash-seed", default=None)
     p.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning")
+    p.add_argument("--uvicorn-loop", choices=["auto", "asyncio", "uvloop"], default="auto")
+    p.add_argument("--uvicorn-http", choices=["auto", "h11", "httptools"], default="auto")
     return p
 
 
@@ -133,4 +138,6 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None) 
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
         kv_events=kv,
         log_level=ns.log_level,
+        uvicorn_loop=ns.uvicorn_loop,
+        uvicorn_http=ns.uvicorn_http,
     )

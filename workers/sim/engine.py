@@ -27,6 +27,8 @@ from workers.sim.timing import TimingModel
 __all__ = ["RequestStream", "SimEngine"]
 
 log = logging.getLogger(__name__)
+COARSE_S = 0.0015  # below this, finish a step's wait with a precise blocking sleep
+MAX_NO_YIELD_S = 0.005  # when behind schedule, still let HTTP handlers run at least this often
 
 
 class RequestStream:
@@ -83,6 +85,7 @@ class SimEngine:
         self._wake = asyncio.Event()
         self.steps = 0
         self.busy_time = 0.0
+        self._last_yield = 0.0
 
     # ---- intake --------------------------------------------------------------------------------
     def submit(
@@ -139,14 +142,35 @@ class SimEngine:
                 s = self.streams.get(req.request_id)
                 if s is not None:
                     s.admitted = now
-            dt = self.timing.step_ms(plan.prefill_chunks, plan.decode_contexts) / 1000.0
+            dt = self.timing.step_ms(plan.prefill_chunks, plan.decode_contexts, plan.starts_prefill) / 1000.0
             deadline = start + dt
-            delay = deadline - self.clock()
-            await asyncio.sleep(delay if delay > 0 else 0)
+            await self._sleep_until(deadline)
             self._finish_step(plan, self.clock())
             self.steps += 1
             self.busy_time += dt
             next_start = deadline
+
+    async def _sleep_until(self, deadline: float) -> None:
+        """Yield once (HTTP handlers write their chunks), then sleep precisely until `deadline`.
+
+        When the loop is behind schedule it runs steps back to back and yields only every
+        `MAX_NO_YIELD_S`, so streams pick up several tokens per chunk (as vLLM's API server coalesces
+        outputs under load) instead of the CPU going to one tiny write per token per step.
+
+        asyncio timers wake up to ~1 ms late (epoll timeouts are rounded up to whole milliseconds),
+        which would stretch every sub-millisecond step at high speed-ups; so the loop sleeps on
+        asyncio only while more than `COARSE_S` remains and finishes with a short blocking sleep.
+        """
+        now = self.clock()
+        if deadline > now or now - self._last_yield > MAX_NO_YIELD_S:
+            await asyncio.sleep(0)
+            self._last_yield = now = self.clock()
+        delay = deadline - now
+        if delay > COARSE_S:
+            await asyncio.sleep(delay - COARSE_S)
+            delay = deadline - self.clock()
+        if delay > 0:
+            time.sleep(delay)
 
     def _finish_step(self, plan: StepPlan, now: float) -> None:
         streams = self.streams

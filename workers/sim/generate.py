@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -105,10 +105,16 @@ async def _wait_disconnect(receive: Callable[[], Any]) -> None:
 
 
 class _SSEResponse:
-    """A minimal ASGI SSE response that aborts the engine request when the client goes away."""
+    """A minimal ASGI SSE response that aborts the engine request when the client goes away.
 
-    def __init__(self, chunks: AsyncIterator[bytes], on_disconnect: Callable[[], None], on_end: Callable[[], None]) -> None:
-        self.chunks, self.on_disconnect, self.on_end = chunks, on_disconnect, on_end
+    `produce()` returns the bytes of the next engine output (one or more SSE events) or None at the
+    end; events produced together (role + first content, last content + usage + [DONE]) go out in one
+    write, byte-identical to vLLM's separate writes on the wire.
+    """
+
+    def __init__(self, produce: Callable[[], Awaitable[bytes | None]], on_disconnect: Callable[[], None],
+                 on_end: Callable[[], None]) -> None:
+        self.produce, self.on_disconnect, self.on_end = produce, on_disconnect, on_end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def watch() -> None:
@@ -116,19 +122,17 @@ class _SSEResponse:
             self.on_disconnect()
 
         watcher = asyncio.ensure_future(watch())
+        produce = self.produce
         try:
             await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-            async for chunk in self.chunks:
+            while (chunk := await produce()) is not None:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
             self.on_disconnect()
         finally:
             watcher.cancel()
-            try:
-                await self.chunks.aclose()  # type: ignore[attr-defined]
-            finally:
-                self.on_end()
+            self.on_end()
 
 
 async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: Any, prompt_ids: list[int], max_tokens: int,
@@ -157,29 +161,33 @@ async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: 
                              bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats),
                              prompt_details=details)
 
-        async def chunks() -> AsyncIterator[bytes]:
-            first = True
-            while True:
-                delta, finish, stop_reason = await next_piece()
-                if first:
-                    writer.cached_tokens = max(stream.req.num_cached_tokens, 0)
-                    if chat:
-                        yield writer.role()
-                    elif echo_text is not None:
-                        delta = echo_text + delta
-                    first = False
-                yield writer.content(delta, out.n_tokens, finish, stop_reason)
-                if finish is not None:
-                    break
-            if writer.include_usage:
-                yield writer.usage(out.n_tokens)
-            yield SSE_DONE
+        state = {"first": True, "done": False}
+
+        async def produce() -> bytes | None:
+            if state["done"]:
+                return None
+            delta, finish, stop_reason = await next_piece()
+            parts = []
+            if state["first"]:
+                state["first"] = False
+                writer.cached_tokens = max(stream.req.num_cached_tokens, 0)
+                if chat:
+                    parts.append(writer.role())
+                elif echo_text is not None:
+                    delta = echo_text + delta
+            parts.append(writer.content(delta, out.n_tokens, finish, stop_reason))
+            if finish is not None:
+                state["done"] = True
+                if writer.include_usage:
+                    parts.append(writer.usage(out.n_tokens))
+                parts.append(SSE_DONE)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
         def on_end() -> None:
             engine.abort(key)  # no-op when the request already finished
             st.server_load -= 1
 
-        return _SSEResponse(chunks(), lambda: engine.abort(key), on_end)
+        return _SSEResponse(produce, lambda: engine.abort(key), on_end)
 
     collect = asyncio.ensure_future(_collect(next_piece))
     watcher = asyncio.ensure_future(_wait_disconnect(request.receive))

@@ -93,6 +93,16 @@ class KvBlockManager:
         already includes the prefix hit `new_computed_blocks`). False (and no change) if blocks run out."""
         bs = self.block_size
         blocks = self.req_blocks.get(req_id)
+        if blocks is not None and not new_computed_blocks:  # fast path: a running request's next tokens
+            need_tokens = num_computed_tokens + num_new_tokens
+            if max_model_len is not None and need_tokens > max_model_len:
+                need_tokens = max_model_len
+            if -(-need_tokens // bs) <= len(blocks):
+                if self.enable_caching:
+                    n_full = min(num_computed_tokens + num_new_tokens, len(all_token_ids)) // bs
+                    if n_full > self._num_cached.get(req_id, 0):
+                        self._cache_full_blocks(req_id, blocks, all_token_ids, block_hashes, n_full)
+                return True
         if blocks is None:
             blocks = self.req_blocks[req_id] = []
         need_tokens = num_computed_tokens + num_new_tokens

@@ -79,6 +79,7 @@ class StepPlan:
     prefill_chunks: list[tuple[int, int]] = field(default_factory=list)  # (computed before, new)
     decode_contexts: list[int] = field(default_factory=list)
     newly_admitted: list[SimRequest] = field(default_factory=list)  # first admission (not resumes)
+    starts_prefill: bool = False  # some request is scheduled from the waiting queue (incl. resumes)
     preempted: list[SimRequest] = field(default_factory=list)
 
     @property
@@ -153,16 +154,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         kv = self.kv
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_model_len - 1 - req.num_computed_tokens)
+        running = self.running
+        limit = self.max_model_len - 1
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            n = min(len(req.all_token_ids) - computed, budget, limit - computed)
             if n <= 0:
                 i += 1
                 continue
             scheduled = True
-            while not kv.allocate_slots(
-                req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens, n, max_model_len=self.max_model_len
-            ):
+            while not kv.allocate_slots(req.request_id, req.all_token_ids, req.block_hashes, computed, n, (), self.max_model_len):
                 victim = self.running.pop()
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -196,6 +198,7 @@ class Scheduler:
                     plan.newly_admitted.append(req)
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = hit_tokens
+                plan.starts_prefill = True
                 self.running.append(req)
                 self._plan(plan, req, n)
                 budget -= n
@@ -203,7 +206,7 @@ class Scheduler:
 
     def _plan(self, plan: StepPlan, req: SimRequest, n: int) -> None:
         p = req.num_computed_tokens
-        if n == 1 and req.output_token_ids and p + 1 == req.num_tokens:
+        if n == 1 and req.output_token_ids and p + 1 == len(req.all_token_ids):
             plan.decode_contexts.append(p + 1)
         else:
             plan.prefill_chunks.append((p, n))
@@ -221,18 +224,23 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan) -> StepResult:
         """Apply a finished step: sample tokens, run stop checks, free finished requests."""
         result = StepResult()
+        outputs = result.outputs
+        running = RequestStatus.RUNNING
+        bs, max_len = self.hasher.block_size, self.max_model_len
         for req, _n in plan.scheduled:
-            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens < req.num_tokens:
+            all_ids = req.all_token_ids
+            if req.status is not running or req.num_computed_tokens < len(all_ids):
                 continue  # aborted meanwhile, or a partial prefill chunk (no token sampled)
-            tok = req.token_source(len(req.output_token_ids))
-            req.output_token_ids.append(tok)
-            req.all_token_ids.append(tok)
-            if len(req.all_token_ids) % self.hasher.block_size == 0:
-                self.hasher.extend(req.block_hashes, req.all_token_ids)
-            result.outputs.append((req, [tok]))
-            if tok in req.stop_token_ids and len(req.output_token_ids) >= req.min_tokens:
+            out_ids = req.output_token_ids
+            tok = req.token_source(len(out_ids))
+            out_ids.append(tok)
+            all_ids.append(tok)
+            if len(all_ids) % bs == 0:
+                self.hasher.extend(req.block_hashes, all_ids)
+            outputs.append((req, [tok]))
+            if req.stop_token_ids and tok in req.stop_token_ids and len(out_ids) >= req.min_tokens:
                 req.finish_reason, req.stop_reason = "stop", tok
-            elif len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            elif len(out_ids) >= req.max_tokens or len(all_ids) >= max_len:
                 req.finish_reason = "length"
             if req.finish_reason is not None:
                 self._finish(req)

@@ -223,4 +223,23 @@ def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.sim = st
-    return app
+    return _FastPaths(app, {"/v1/completions": completions, "/v1/chat/completions": chat_completions})  # type: ignore[return-value]
+
+
+class _FastPaths:
+    """Serves the two generation routes without Starlette's middleware stack (which wraps every
+    streamed chunk's `send` in several layers); everything else, lifespan included, goes to Starlette."""
+
+    def __init__(self, app: Starlette, routes: dict) -> None:
+        self.app, self.routes = app, routes
+        self.state = app.state
+
+    async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.routes.get(scope["path"])
+            if handler is not None:
+                scope["app"] = self.app
+                response = await handler(Request(scope, receive))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -7,9 +7,11 @@ Prefill (profile: single-request TTFT(isl), measured by Dynamo's profiler with a
     T(x)  = piecewise-linear interpolation of TTFT over ISL, made monotone non-decreasing by
             isotonic regression (pool-adjacent-violators), extended to x = 0 and past the last point
             by the end segments' slopes;  T0 = max(T(0), 0) is the per-pass fixed cost.
-    P     = T0 + sum_i [T(p_i + n_i) - T(p_i)]          (0 when the step has no prefill)
-  so one unchunked prompt of L tokens costs exactly TTFT(L); a prompt split into k chunks costs
-  TTFT(L) + (k-1)*T0; a prefix hit of h tokens saves T(h) - T0.
+    P     = [T0 if the step starts a request's prefill] + sum_i [T(p_i + n_i) - T(p_i)]
+            (0 when the step has no prefill; a step with only continuation chunks pays no T0)
+  so one prompt of L tokens costs exactly TTFT(L) whether or not it is chunked (the profile was
+  measured on vLLM with chunked prefill, so chunking is already inside TTFT(L)); k prompts starting
+  in one step share one T0; a prefix hit of h tokens saves T(h) - T0.
 
 Decode (profile: ITL over points (kv_usage u, context length c), grouped in rows of equal c):
     u     = sum_j c_j / max_kv_tokens (the profile's KV capacity, not the sim's --num-gpu-blocks),
@@ -95,10 +97,11 @@ class TimingModel:
             return self.t0_ms
         return max(self.t0_ms, interp(float(isl), self._isl, self._ttft, extrapolate=True))
 
-    def prefill_ms(self, chunks: Sequence[tuple[int, int]]) -> float:
+    def prefill_ms(self, chunks: Sequence[tuple[int, int]], starts_request: bool = True) -> float:
+        """P for one step; `starts_request`: some chunk is a request's first since admission."""
         if not chunks:
             return 0.0
-        total = self.t0_ms
+        total = self.t0_ms if starts_request else 0.0
         for p, n in chunks:
             total += self.ttft_ms(p + n) - self.ttft_ms(p)
         return total
@@ -122,6 +125,6 @@ class TimingModel:
         return self.itl_ms(total / self.max_kv_tokens, total / len(contexts))
 
     # ---- the step ------------------------------------------------------------------------------
-    def step_ms(self, prefill_chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int]) -> float:
+    def step_ms(self, prefill_chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int], starts_request: bool = True) -> float:
         """Wall-clock milliseconds of one step after `speedup`."""
-        return (self.prefill_ms(prefill_chunks) + self.decode_ms(decode_contexts)) / self.speedup
+        return (self.prefill_ms(prefill_chunks, starts_request) + self.decode_ms(decode_contexts)) / self.speedup

@@ -43,13 +43,15 @@ def test_first_step_budget_and_chunking(prompts, budget, expected):
 def test_chunked_prefill_completes_then_decodes_one_token_per_step():
     s = make(max_num_batched_tokens=16)
     s.add_request(req("a", 40, max_tokens=3))
-    chunks = []
+    chunks, starts = [], []
     while True:
         plan, res = run_step(s)
         chunks.append(plan.prefill_chunks or plan.decode_contexts)
+        starts.append(plan.starts_prefill)
         if res.outputs:
             break
     assert chunks == [[(0, 16)], [(16, 16)], [(32, 8)]]
+    assert [p for p in starts] == [True, False, False]
     plan, res = run_step(s)
     assert plan.decode_contexts == [41] and plan.prefill_chunks == [] and res.outputs[0][1] == [1001]
 

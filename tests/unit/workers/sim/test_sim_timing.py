@@ -109,9 +109,10 @@ def test_bundled_profiles_load_and_reproduce_their_points(name):
             assert t.ttft_ms(isl) == pytest.approx(ttft)
 
 
-def test_chunked_prompt_costs_ttft_plus_one_fixed_cost_per_extra_chunk():
+def test_chunked_prompt_costs_exactly_its_ttft():
     t = TimingModel(toy_profile())
-    assert t.prefill_ms([(0, 600)]) + t.prefill_ms([(600, 500)]) == pytest.approx(21.0 + 10.0)
+    assert t.prefill_ms([(0, 600)]) + t.prefill_ms([(600, 500)], starts_request=False) == pytest.approx(21.0)
+    assert t.step_ms([(600, 500)], [], starts_request=False) == pytest.approx(5.0)
 
 
 def test_unknown_profile_is_rejected(tmp_path):

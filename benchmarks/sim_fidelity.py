@@ -1,0 +1,286 @@
+"""Sim fidelity: does the running sim reproduce its profile's TTFT and ITL? (no assertions; a report)
+
+    .venv/bin/python benchmarks/sim_fidelity.py [--profile h200-llama3.1-8b] [--speedups 1 10] [--quick]
+
+For each speed-up the sim is launched as kvyard launches it (EngineProcess + SimBackend) and measured:
+
+1. TTFT vs ISL: one request at a time at each ISL the profile measured, a prompt of fresh random token
+   ids (no prefix reuse), `max_tokens=1`, 3 repetitions, median. Client TTFT = send -> first SSE event
+   (raw asyncio client); engine TTFT = the request's `vllm:time_to_first_token_seconds` (histogram delta).
+   Both are multiplied by the speed-up and compared with the profile's measured TTFT at that ISL.
+2. ITL vs batch size: B concurrent streams whose context sits on one of the profile's decode rows
+   (prompt = row context - 16). Once every stream has its first token, a window of `WINDOW_STEPS` steps
+   is measured: client ITL = mean gap between SSE events, engine ITL = `vllm:inter_token_latency_seconds`
+   delta. Prediction = the profile interpolated (the sim's TimingModel) at the window's actual state:
+   B sequences at their measured mean context; the nearest measured profile point is listed too.
+
+Writes benchmarks/results/sim_fidelity.json, .md and .png (if matplotlib is installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from workers.process import EngineProcess  # noqa: E402
+from workers.sim.backend import SimBackend  # noqa: E402
+from workers.sim.profiles import load_profile  # noqa: E402
+from workers.sim.timing import TimingModel, interp  # noqa: E402
+from workers.types import EngineLaunchConfig  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+MODEL = "sim"
+MAX_MODEL_LEN = 16400
+VOCAB = 100000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RawStream:
+    """Minimal HTTP/1.1 streaming POST: records when each SSE `data:` event arrives."""
+
+    def __init__(self, port: int, body: dict) -> None:
+        payload = json.dumps(body).encode()
+        self.request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+        ).encode() + payload
+        self.port = port
+        self.sent = 0.0
+        self.events: list[float] = []
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        try:
+            self.sent = time.perf_counter()
+            writer.write(self.request)
+            await writer.drain()
+            tail = b""
+            while True:
+                data = await reader.read(65536)
+                now = time.perf_counter()
+                if not data:
+                    return
+                buf = tail + data
+                self.events.extend([now] * buf.count(b"data: "))
+                tail = buf[-6:]
+                if b"[DONE]" in buf or (stop is not None and stop.is_set()):
+                    return
+        finally:
+            writer.close()
+
+
+def histogram(text: str, name: str) -> tuple[float, float]:
+    s = c = 0.0
+    for line in text.splitlines():
+        if line.startswith(f"vllm:{name}_sum"):
+            s = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f"vllm:{name}_count"):
+            c = float(line.rsplit(" ", 1)[1])
+    return s, c
+
+
+async def scrape(url: str, name: str) -> tuple[float, float]:
+    async with httpx.AsyncClient() as c:
+        return histogram((await c.get(url + "/metrics")).text, name)
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+async def ttft_sweep(url: str, port: int, isls: list[int], speedup: float, reps: int, rng: random.Random) -> list[dict]:
+    rows = []
+    for isl in isls:
+        client, engine = [], []
+        for _ in range(reps):
+            before = await scrape(url, "time_to_first_token_seconds")
+            s = RawStream(port, {"model": MODEL, "prompt": prompt(rng, isl), "max_tokens": 1, "stream": True})
+            await s.run()
+            after = await scrape(url, "time_to_first_token_seconds")
+            client.append((s.events[0] - s.sent) * speedup * 1000)
+            engine.append((after[0] - before[0]) * speedup * 1000)
+        rows.append({"isl": isl, "client_ms": statistics.median(client), "engine_ms": statistics.median(engine)})
+    return rows
+
+
+async def itl_point(url: str, port: int, batch: int, ctx: int, speedup: float, rng: random.Random, window_steps: int) -> dict:
+    stop = asyncio.Event()
+    plen = ctx - 16
+    streams = [RawStream(port, {"model": MODEL, "prompt": prompt(rng, plen), "max_tokens": 4000, "stream": True}) for _ in range(batch)]
+    tasks = [asyncio.create_task(s.run(stop)) for s in streams]
+    while not all(s.events for s in streams):  # wait until every stream decodes
+        await asyncio.sleep(0.005)
+    t0 = time.perf_counter()
+    n0 = [len(s.events) for s in streams]
+    m0 = await scrape(url, "inter_token_latency_seconds")
+    await asyncio.sleep(0.001)
+    while min(len(s.events) - n for s, n in zip(streams, n0)) < window_steps:
+        await asyncio.sleep(0.002)
+    m1 = await scrape(url, "inter_token_latency_seconds")
+    t1 = time.perf_counter()
+    stop.set()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    gaps = []
+    generated = []
+    for s, n in zip(streams, n0):
+        ev = [t for t in s.events[n - 1 :] if t <= t1]
+        gaps.extend(b - a for a, b in zip(ev, ev[1:]))
+        generated.append(len([t for t in s.events if t <= (t0 + t1) / 2]))
+    mean_ctx = plen + statistics.mean(generated)
+    await asyncio.sleep(0.5)  # let the aborts land before the next point
+    return {
+        "batch": batch, "mean_context": mean_ctx,
+        "client_ms": statistics.mean(gaps) * speedup * 1000,
+        "engine_ms": (m1[0] - m0[0]) / max(1.0, m1[1] - m0[1]) * speedup * 1000,
+    }  # fmt: skip
+
+
+def run_speedup(profile_name: str, speedup: float, isls: list[int], batches: list[int], ctx: int, reps: int,
+                window_steps: int) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="kvy-fid-"))
+    cfg = EngineLaunchConfig(
+        model=profile_name, served_model_name=MODEL, port=free_port(), block_size=16, max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=256, max_num_batched_tokens=8192, extra_args=["--speedup", str(speedup)],
+    )  # fmt: skip
+    proc = EngineProcess(SimBackend(), cfg, log_path=work / "sim.log")
+    proc.start()
+    try:
+        asyncio.run(proc.wait_healthy(60))
+        rng = random.Random(1234)
+
+        async def main() -> dict:
+            ttft = await ttft_sweep(proc.url, cfg.port, isls, speedup, reps, rng)
+            itl = [await itl_point(proc.url, cfg.port, b, ctx, speedup, rng, window_steps) for b in batches]
+            return {"speedup": speedup, "ttft": ttft, "itl": itl}
+
+        return asyncio.run(main())
+    finally:
+        asyncio.run(proc.stop())
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def annotate(result: dict, model: TimingModel) -> None:
+    p = model.profile
+    isl, ttft = list(p.prefill_isl), list(p.prefill_ttft_ms)
+    for r in result["ttft"]:
+        r["profile_ms"] = interp(r["isl"], isl, ttft)
+        r["client_err"] = r["client_ms"] / r["profile_ms"] - 1
+        r["engine_err"] = r["engine_ms"] / r["profile_ms"] - 1
+    for r in result["itl"]:
+        u = r["batch"] * r["mean_context"] / model.max_kv_tokens
+        r["kv_usage"] = u
+        r["profile_ms"] = model.itl_ms(u, r["mean_context"])
+        j = min(range(len(p.decode_itl_ms)), key=lambda k: abs(p.decode_kv_usage[k] - u) + abs(p.decode_context[k] - r["mean_context"]) / 1e5)
+        r["nearest_point"] = {"kv_usage": float(p.decode_kv_usage[j]), "context": float(p.decode_context[j]), "itl_ms": float(p.decode_itl_ms[j])}
+        r["client_err"] = r["client_ms"] / r["profile_ms"] - 1
+        r["engine_err"] = r["engine_ms"] / r["profile_ms"] - 1
+
+
+def markdown(report: dict) -> str:
+    out = [f"# Sim fidelity: {report['profile']}", "",
+           f"Measured {report['date']} on {report['machine']}. Times are scaled back to profile time (measured x speed-up).",
+           "Error = measured / profile - 1. Client = raw HTTP client (includes HTTP overhead x speed-up); engine = the sim's own",
+           "`vllm:` histograms. Target: |error| <= 10%.", ""]  # fmt: skip
+    for res in report["runs"]:
+        s = res["speedup"]
+        out += [f"## speed-up {s:g}", "", "### TTFT vs ISL (single requests, no prefix reuse)", "",
+                "| ISL | profile ms | engine ms | engine err | client ms | client err |", "|---:|---:|---:|---:|---:|---:|"]
+        for r in res["ttft"]:
+            out.append(f"| {r['isl']} | {r['profile_ms']:.1f} | {r['engine_ms']:.1f} | {r['engine_err']:+.1%} | {r['client_ms']:.1f} | {r['client_err']:+.1%} |")
+        out += ["", f"### ITL vs batch size (context on the profile row ~{report['itl_context']})", "",
+                "| B | mean ctx | KV usage | profile ms | nearest point (u, ctx, ms) | engine ms | engine err | client ms | client err |",
+                "|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+        for r in res["itl"]:
+            n = r["nearest_point"]
+            out.append(f"| {r['batch']} | {r['mean_context']:.0f} | {r['kv_usage']:.3f} | {r['profile_ms']:.2f} | "
+                       f"({n['kv_usage']:.3f}, {n['context']:.0f}, {n['itl_ms']:.2f}) | {r['engine_ms']:.2f} | {r['engine_err']:+.1%} | "
+                       f"{r['client_ms']:.2f} | {r['client_err']:+.1%} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    first = report["runs"][0]
+    a.plot([r["isl"] for r in first["ttft"]], [r["profile_ms"] for r in first["ttft"]], "k-o", label="profile")
+    b.plot([r["batch"] for r in first["itl"]], [r["profile_ms"] for r in first["itl"]], "k-o", label="profile (interpolated)")
+    for res in report["runs"]:
+        s = res["speedup"]
+        a.plot([r["isl"] for r in res["ttft"]], [r["engine_ms"] for r in res["ttft"]], "x--", label=f"sim engine, x{s:g}")
+        a.plot([r["isl"] for r in res["ttft"]], [r["client_ms"] for r in res["ttft"]], ".:", label=f"sim client, x{s:g}")
+        b.plot([r["batch"] for r in res["itl"]], [r["engine_ms"] for r in res["itl"]], "x--", label=f"sim engine, x{s:g}")
+        b.plot([r["batch"] for r in res["itl"]], [r["client_ms"] for r in res["itl"]], ".:", label=f"sim client, x{s:g}")
+    a.set(xlabel="ISL (tokens)", ylabel="TTFT (profile ms)", title="TTFT vs ISL")
+    b.set(xlabel="concurrent decodes B", ylabel="ITL (profile ms)", title=f"ITL vs B at context ~{report['itl_context']}")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.suptitle(f"kvyard sim fidelity: {report['profile']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", default="h200-llama3.1-8b")
+    ap.add_argument("--speedups", type=float, nargs="+", default=[1.0, 10.0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--window-steps", type=int, default=40)
+    ap.add_argument("--quick", action="store_true", help="fewer points (smoke run)")
+    args = ap.parse_args()
+    model = TimingModel(load_profile(args.profile))
+    p = model.profile
+    isls = [int(v) for v in p.prefill_isl]
+    rows = sorted(set(float(c) for c in p.decode_context))
+    ctx = int(rows[1] if len(rows) > 1 else rows[0])
+    on_row = sorted({round(float(u) * model.max_kv_tokens / ctx) for u, c in zip(p.decode_kv_usage, p.decode_context) if c == ctx})
+    batches = [b for b in on_row if b <= 256]
+    if args.quick:
+        isls, batches = isls[::4], batches[:3]
+    report = {
+        "profile": args.profile, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{__import__('os').cpu_count()} CPUs, Python {sys.version.split()[0]}", "itl_context": ctx, "runs": [],
+    }  # fmt: skip
+    for s in args.speedups:
+        res = run_speedup(args.profile, s, isls, batches, ctx, args.reps, args.window_steps)
+        annotate(res, model)
+        report["runs"].append(res)
+        print(f"speed-up {s:g} done", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "sim_fidelity.json").write_text(json.dumps(report, indent=1))
+    md = markdown(report)
+    (RESULTS / "sim_fidelity.md").write_text(md + "\n")
+    plot(report, RESULTS / "sim_fidelity.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
