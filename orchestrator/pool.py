@@ -12,16 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from router import Endpoint, EndpointLoad, Router
-from workers.discovery import Discovery, DiscoveryError
+from workers.discovery import Discovery, DiscoveryError, files_digest
 from workers.registry import get_backend
 from workers.types import EngineMetrics, WorkerInfo, WorkerState
 
 __all__ = ["WorkerPool", "LiveWorker"]
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
 
 log = logging.getLogger("kvyard.pool")
 
@@ -35,7 +42,8 @@ class LiveWorker:
 
 
 class WorkerPool:
-    def __init__(self, discovery: Discovery, router: Router, refresh_interval_s: float = 1.0, scrape_interval_s: float = 1.0) -> None:
+    def __init__(self, discovery: Discovery, router: Router, refresh_interval_s: float = 1.0, scrape_interval_s: float = 1.0,
+                 cache_dir: str | Path | None = None) -> None:
         self.discovery = discovery
         self.router = router
         self.refresh_interval_s = refresh_interval_s
@@ -43,6 +51,8 @@ class WorkerPool:
         self.workers: dict[str, LiveWorker] = {}
         self.known_models: set[str] = set()
         self.discovery_ok = True
+        self.tokenizer_dirs: dict[str, str] = {}  # model -> local folder with tokenizer.json
+        self.cache_dir = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "kvyard-tokenizers"
         self._tasks: list[asyncio.Task] = []
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
 
@@ -87,6 +97,27 @@ class WorkerPool:
             else:
                 live.info = info
             self.known_models.add(info.model)
+            if info.model not in self.tokenizer_dirs:
+                await self._resolve_tokenizer(info)
+
+    async def _resolve_tokenizer(self, info: WorkerInfo) -> None:
+        """The worker's tokenizer path if readable here, else the files it published to discovery."""
+        if info.tokenizer and (Path(info.tokenizer) / "tokenizer.json").is_file():
+            self.tokenizer_dirs[info.model] = info.tokenizer
+            return
+        try:
+            files = await self.discovery.fetch_files(info.model)
+        except DiscoveryError:
+            return
+        if "tokenizer.json" not in files:
+            return
+        folder = self.cache_dir / f"{_safe(info.model)}-{files_digest(files)[:16]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            if "/" not in name and not name.startswith("."):
+                (folder / name).write_bytes(data)
+        self.tokenizer_dirs[info.model] = str(folder)
+        log.info("tokenizer of %s fetched from discovery into %s", info.model, folder)
 
     async def _scrape_one(self, live: LiveWorker) -> None:
         try:
@@ -114,6 +145,9 @@ class WorkerPool:
             load = EndpointLoad(engine_waiting=m.num_requests_waiting, engine_kv_usage=m.kv_cache_usage) if m else EndpointLoad()
             out.append(Endpoint(worker_id=w.info.worker_id, url=w.info.url, model=model, block_size=w.info.block_size, role=w.info.role.value, load=load))
         return out
+
+    def tokenizer_dir(self, model: str) -> str | None:
+        return self.tokenizer_dirs.get(model)
 
     def info_for(self, model: str) -> WorkerInfo | None:
         """Any worker's registration for the model (tokenizer path, context length)."""

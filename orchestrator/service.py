@@ -96,9 +96,10 @@ class InferenceService:
         return b"".join(chunks)
 
     def _prompt_ids(self, req, info: WorkerInfo) -> list[int]:
-        if not info.tokenizer:
+        folder = self.pool.tokenizer_dir(info.model)
+        if folder is None:  # no tokenizer reachable yet: route without token ids; the engine checks lengths
             return []
-        tok = load_tokenizer(info.tokenizer)
+        tok = load_tokenizer(folder)
         if isinstance(req, ChatCompletionRequest):
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
             return tok.encode_chat(msgs)

@@ -6,6 +6,8 @@ Protocol `Discovery` with two implementations: `InMemoryDiscovery` (the embedded
 Redis schema (prefix defaults to "kvyard"):
     {prefix}:worker:{worker_id}   STRING  WorkerInfo as JSON, with PX = lease ttl (expires by itself)
     {prefix}:workers              SET     worker ids ever registered and not deregistered
+    {prefix}:files:{model}        HASH    the model's tokenizer files (name -> zlib bytes) and "__digest",
+                                          published by workers so frontends on other hosts can tokenize
 A lease is renewed by re-setting the key's expiry; a worker whose process dies stops renewing and
 its key expires, so `list_workers` stops returning it within one ttl. Stale set members are pruned
 when listed.
@@ -13,12 +15,14 @@ when listed.
 
 from __future__ import annotations
 
+import hashlib
 import time
+import zlib
 from typing import Protocol, runtime_checkable
 
 from workers.types import WorkerInfo, WorkerState
 
-__all__ = ["Discovery", "DiscoveryError", "InMemoryDiscovery", "RedisDiscovery"]
+__all__ = ["Discovery", "DiscoveryError", "InMemoryDiscovery", "RedisDiscovery", "files_digest"]
 
 
 class DiscoveryError(RuntimeError):
@@ -47,12 +51,34 @@ class Discovery(Protocol):
         """Called by frontends on each refresh: every worker whose lease is live."""
         ...
 
+    async def publish_files(self, model: str, files: dict[str, bytes]) -> None:
+        """Called by a worker after registering: the model's tokenizer files (skipped if unchanged)."""
+        ...
+
+    async def fetch_files(self, model: str) -> dict[str, bytes]:
+        """Called by a frontend that cannot read the worker's tokenizer path; {} if none published."""
+        ...
+
     async def close(self) -> None: ...
+
+
+def files_digest(files: dict[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
+    return h.hexdigest()
 
 
 class InMemoryDiscovery:
     def __init__(self) -> None:
         self._entries: dict[str, tuple[WorkerInfo, float]] = {}
+        self._files: dict[str, dict[str, bytes]] = {}
+
+    async def publish_files(self, model: str, files: dict[str, bytes]) -> None:
+        self._files[model] = dict(files)
+
+    async def fetch_files(self, model: str) -> dict[str, bytes]:
+        return dict(self._files.get(model, {}))
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         self._entries[info.worker_id] = (info.model_copy(), time.monotonic() + ttl_s)
@@ -149,6 +175,31 @@ class RedisDiscovery:
                 gone.append(wid)  # unreadable entry: treat as absent
         if gone:
             await self._call(self._redis.srem(self._set, *gone))
+        return out
+
+    async def publish_files(self, model: str, files: dict[str, bytes]) -> None:
+        key = f"{self._prefix}:files:{model}"
+        digest = files_digest(files)
+        current = await self._call(self._redis.hget(key, "__digest"))
+        if current is not None and current.decode() == digest:
+            return
+        mapping = {name: zlib.compress(data, 6) for name, data in files.items()}
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, mapping={**mapping, "__digest": digest})
+        await self._call(pipe.execute())
+
+    async def fetch_files(self, model: str) -> dict[str, bytes]:
+        raw = await self._call(self._redis.hgetall(f"{self._prefix}:files:{model}"))
+        out: dict[str, bytes] = {}
+        for name, data in raw.items():
+            name = name.decode()
+            if name == "__digest":
+                continue
+            try:
+                out[name] = zlib.decompress(data)
+            except zlib.error:
+                return {}  # a damaged upload: behave as if none were published
         return out
 
     async def close(self) -> None:

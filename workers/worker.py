@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -23,7 +24,9 @@ from workers.discovery import Discovery, DiscoveryError
 from workers.process import EngineProcess
 from workers.types import EngineLaunchConfig, WorkerInfo, WorkerRole, WorkerState
 
-__all__ = ["WorkerSupervisor", "WorkerOptions"]
+__all__ = ["WorkerSupervisor", "WorkerOptions", "TOKENIZER_FILES"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 log = logging.getLogger("kvyard.worker")
 
@@ -81,8 +84,23 @@ class WorkerSupervisor:
         await self.engine.wait_healthy(self.opts.start_timeout_s)
         self.info = self.build_info()
         await self.discovery.register(self.info, self.opts.lease_ttl_s)
+        await self._publish_tokenizer()
         log.info("worker %s registered: %s %s at %s", self.worker_id, self.backend.name, self.info.model, self.info.url)
         return self.info
+
+    async def _publish_tokenizer(self) -> None:
+        """Share the tokenizer through discovery so frontends on other hosts can tokenize."""
+        if not self.opts.tokenizer:
+            return
+        folder = Path(self.opts.tokenizer)
+        files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
+        if "tokenizer.json" not in files:
+            log.warning("no tokenizer.json in %s: frontends will route without token ids", folder)
+            return
+        try:
+            await self.discovery.publish_files(self.cfg.served_model_name, files)
+        except DiscoveryError as exc:
+            log.warning("cannot publish the tokenizer of %s: %s", self.cfg.served_model_name, exc)
 
     def request_stop(self) -> None:
         self._stop.set()

@@ -193,3 +193,15 @@ async def test_models_health_metrics(frontend):
             assert name in text
     r = await client.get("/nope")
     assert_openai_error(r, 404)
+
+
+async def test_tokenizer_fetched_from_discovery_when_path_unreadable(frontend, tmp_path):
+    client, disc = frontend
+    files = {n: (TOKENIZER_DIR / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")}
+    await disc.publish_files("m", files)
+    info = winfo("a", "http://127.0.0.1:9").model_copy(update={"tokenizer": "/nonexistent/on/this/host"})
+    with FakeEngine() as eng:
+        await add(disc, client, info.model_copy(update={"url": eng.url}))
+        # the length check needs token ids, so a 400 proves the fetched tokenizer is in use
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "word " * 200})
+        assert_openai_error(r, 400)

@@ -67,3 +67,13 @@ async def test_redis_unreachable_raises_discovery_error():
     with pytest.raises(DiscoveryError):
         await d.list_workers()
     await d.close()
+
+
+async def test_tokenizer_files_round_trip(discovery):
+    assert await discovery.fetch_files("m") == {}
+    files = {"tokenizer.json": b'{"x": 1}' * 1000, "tokenizer_config.json": b"{}"}
+    await discovery.publish_files("m", files)
+    await discovery.publish_files("m", files)  # unchanged: a no-op
+    assert await discovery.fetch_files("m") == files
+    await discovery.publish_files("m", {"tokenizer.json": b"new"})
+    assert await discovery.fetch_files("m") == {"tokenizer.json": b"new"}
