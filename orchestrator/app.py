@@ -43,13 +43,21 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     async def lifespan(app: FastAPI):
         await pool.start()
         try:
+            if cfg.grpc_port:  # the KServe v2 gRPC endpoint, on this loop, sharing the service and pool
+                from orchestrator.grpc import start_grpc_server
+
+                app.state.grpc = await start_grpc_server(service, pool, cfg.grpc_port, cfg.host)
             yield
         finally:
+            if app.state.grpc is not None:
+                await app.state.grpc.stop()
+                app.state.grpc = None
             await pool.close()
             await service.close()
 
     app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan)
     app.state.cfg, app.state.pool, app.state.router, app.state.metrics = cfg, pool, router, metrics
+    app.state.grpc = None  # orchestrator.grpc.GrpcServer while the lifespan runs with cfg.grpc_port
 
     @app.exception_handler(KvyardError)
     async def _kvyard_error(request: Request, exc: KvyardError) -> Response:

@@ -25,6 +25,8 @@ __all__ = ["main"]
 
 log = logging.getLogger("kvyard")
 
+DEFAULT_GRPC_PORT = 8001
+
 
 def _setup_logging(level: str) -> None:
     from rich.logging import RichHandler
@@ -38,6 +40,7 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     # defaults of None: the value then comes from --config, else from FrontendConfig's defaults
     p.add_argument("--host", default=None, help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 8000")
+    p.add_argument("--grpc-port", type=int, default=None, help=f"KServe v2 gRPC port (default {DEFAULT_GRPC_PORT}; 0 disables)")
     p.add_argument("--policy", default=None, choices=policy_names(), help="default round-robin")
     p.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL"))
     p.add_argument("--discovery-prefix", default=None, help="Redis key prefix, one per cluster (default kvyard)")
@@ -87,8 +90,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
     data = load_yaml(ns.config).get("frontend", {}) if getattr(ns, "config", None) else {}
-    flags = {"host": ns.host, "port": ns.port, "policy": ns.policy, "redis_url": ns.redis_url, "discovery_prefix": ns.discovery_prefix}
+    flags = {"host": ns.host, "port": ns.port, "policy": ns.policy, "redis_url": ns.redis_url, "discovery_prefix": ns.discovery_prefix,
+             "grpc_port": ns.grpc_port}
     data.update({k: v for k, v in flags.items() if v is not None})
+    data.setdefault("grpc_port", DEFAULT_GRPC_PORT)  # on by default from the CLI; FrontendConfig's own default is off
     return FrontendConfig(**data)
 
 
@@ -133,6 +138,7 @@ async def _run_up(ns: argparse.Namespace) -> int:
     base = f"http://{fcfg.host}:{fcfg.port}"
     print(f"\nkvyard is up: {ccfg.workers} × {ccfg.backend} serving model '{ccfg.served_model_name}'\n"
           f"  OpenAI endpoint  {base}/v1\n  dashboard        {base}/dashboard\n  metrics          {base}/metrics\n"
+          + (f"  KServe v2 gRPC   {fcfg.host}:{fcfg.grpc_port}\n" if fcfg.grpc_port else "") +
           f"  engine logs      {ccfg.log_dir}/\nPress Ctrl-C to stop.", flush=True)
     await asyncio.wait({serve_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     server.should_exit = True
@@ -187,7 +193,8 @@ async def _run_frontend(ns: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-    print(f"kvyard frontend on http://{cfg.host}:{cfg.port}/v1 (discovery: {cfg.redis_url or 'in-memory'})", flush=True)
+    grpc_note = f", gRPC on {cfg.host}:{cfg.grpc_port}" if cfg.grpc_port else ""
+    print(f"kvyard frontend on http://{cfg.host}:{cfg.port}/v1{grpc_note} (discovery: {cfg.redis_url or 'in-memory'})", flush=True)
     await server.serve()
     return 0
 

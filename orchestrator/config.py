@@ -13,6 +13,7 @@ __all__ = ["FrontendConfig", "ClusterConfig", "load_yaml"]
 class FrontendConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
+    grpc_port: int = Field(0, ge=0, le=65535)  # KServe v2 gRPC endpoint; 0: off (the CLI defaults it to 8001)
     policy: str = "round-robin"
     redis_url: str | None = None  # None -> in-memory discovery (embedded default)
     discovery_prefix: str = "kvyard"

@@ -1,0 +1,123 @@
+"""The gRPC server: KServe v2 inference service + grpc.health.v1 + server reflection, on `grpc.aio`.
+
+It runs on the HTTP frontend's event loop and shares its InferenceService and WorkerPool, so a
+request through either transport is routed, limited, counted and answered alike. The app lifespan
+starts it after the pool (`start_grpc_server`) and stops it before the pool closes (`GrpcServer.stop`).
+
+Health: service "" and "inference.GRPCInferenceService" are SERVING while at least one worker is ready
+(re-checked on every Check and every `health_interval_s` for Watch streams), NOT_SERVING otherwise;
+NOT_SERVING for good once shutdown begins. Reflection lists the three services and serves their
+descriptors from the stubs' private descriptor pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+
+from orchestrator.grpc.generated import POOL, pb_grpc
+from orchestrator.grpc.servicer import SERVICE_NAME, InferenceServicer
+from orchestrator.pool import WorkerPool
+from orchestrator.service import InferenceService
+
+__all__ = ["start_grpc_server", "GrpcServer", "GrpcStartError"]
+
+log = logging.getLogger("kvyard.grpc")
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+REFLECTION_SERVICE = reflection.SERVICE_NAME
+
+# Reflection answers from the private pool that holds the inference messages; give it the health and
+# reflection protos too, so every listed service can be described.
+for _fd in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+    try:
+        POOL.FindFileByName(_fd.name)
+    except KeyError:
+        POOL.AddSerializedFile(_fd.serialized_pb)
+
+
+class GrpcStartError(RuntimeError):
+    """The gRPC port could not be bound (in use, or a bad host)."""
+
+
+class _ReadinessHealth(health_aio.HealthServicer):
+    """Standard health servicer whose status follows the worker pool."""
+
+    def __init__(self, servicer: InferenceServicer) -> None:
+        super().__init__()
+        self._servicer = servicer
+
+    async def refresh(self) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if self._servicer.any_ready() else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            if self._server_status.get(name) != status:
+                await self.set(name, status)
+
+    async def Check(self, request, context):
+        await self.refresh()
+        return await super().Check(request, context)
+
+
+@dataclass
+class GrpcServer:
+    """A started gRPC server: `port` is the bound port; `stop()` drains, then cancels what is left."""
+
+    server: grpc.aio.Server
+    port: int
+    health: _ReadinessHealth
+    _watch: asyncio.Task
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._watch.cancel()
+        await asyncio.gather(self._watch, return_exceptions=True)
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def _follow_pool(health: _ReadinessHealth, interval_s: float) -> None:
+    while True:
+        try:
+            await health.refresh()
+        except Exception:  # the loop must outlive one bad round
+            log.exception("health refresh failed")
+        await asyncio.sleep(interval_s)
+
+
+def _address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+async def start_grpc_server(service: InferenceService, pool: WorkerPool, port: int, host: str = "127.0.0.1",
+                            *, health_interval_s: float = 0.5) -> GrpcServer:
+    """Start the gRPC endpoint on host:port (port 0: any free port, see `.port`) on the running loop."""
+    limit = service.cfg.max_body_bytes + 64 * 1024  # room for the protobuf framing around a maximal prompt
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 0),  # a port already in use must fail here, not be silently shared
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", -1),
+    ])
+    servicer = InferenceServicer(service, pool)
+    health = _ReadinessHealth(servicer)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, REFLECTION_SERVICE), server, pool=POOL)
+    address = _address(host, port)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise GrpcStartError(f"cannot serve gRPC on {address}: {exc}") from exc
+    if not bound:
+        raise GrpcStartError(f"cannot serve gRPC on {address}")
+    await server.start()
+    await health.refresh()
+    watch = asyncio.create_task(_follow_pool(health, health_interval_s))
+    log.info("gRPC (KServe v2) listening on %s", _address(host, bound))
+    return GrpcServer(server=server, port=bound, health=health, _watch=watch)
