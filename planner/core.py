@@ -6,11 +6,13 @@ Per managed pool (every pool listed in the targets), each tick:
                the newest bucket older than stale_after_s): keep the current count (only min/max
                are still enforced).
   2. predict   feed the window's demand (arrival rate, else finish rate; mean ISL, OSL, KV hit rate)
-               to one predictor per quantity; forecast 1 + lookahead_s/interval_s ticks ahead.
+               to one predictor per quantity; forecast 1 + lookahead_s/interval_s ticks ahead
+               (the prompt-length spread CV² is taken as last observed).
   3. size      sla:    replicas from the perf model for the predicted demand (sla.py);
                load:   current ± 1 from queue/KV/latency thresholds (load.py);
                hybrid: sla replicas + a load correction k >= 0 (k += 1 on a load 'up' the SLA
-                       count did not already cover, k −= 1 on a 'down') — the SLA count is a floor.
+                       count did not already cover, k −= 1 on a 'down' at most once per
+                       scale_down_cooldown_s) — the SLA count is a floor.
   4. guard     clamp to [min_replicas, max_replicas]; move at most max_step per tick; no scale-down
                within scale_down_cooldown_s of the pool's last change.
   Then across pools: if Σ desired·gpus_per_replica > gpu_budget, every pool keeps min_replicas and
@@ -48,6 +50,8 @@ class PlannerCore:
         self._predictors: dict[tuple[PoolKey, str], Predictor] = {}
         self._last_change: dict[PoolKey, float] = {}
         self._correction: dict[PoolKey, int] = {}
+        self._correction_at: dict[PoolKey, float] = {}
+        self._cv2: dict[PoolKey, float] = {}
 
     # ---- the tick ------------------------------------------------------------------------------
     def on_tick(self, now: float, obs: Observation) -> Decision:
@@ -102,7 +106,10 @@ class PlannerCore:
             out["kv_hit_rate"] = 0.0
         if out["request_rate"] is None or (out["request_rate"] > 0 and (out["isl"] is None or out["osl"] is None)):
             return None
-        return Demand(out["request_rate"], out["isl"] or 0.0, out["osl"] or 0.0, min(max(out["kv_hit_rate"], 0.0), 1.0))
+        if s.isl_cv2 is not None:
+            self._cv2[po.pool] = s.isl_cv2
+        return Demand(out["request_rate"], out["isl"] or 0.0, out["osl"] or 0.0, min(max(out["kv_hit_rate"], 0.0), 1.0),
+                      self._cv2.get(po.pool, 1.0))
 
     def _sla(self, po: PoolObservation, pt: PoolTarget, d: Demand) -> tuple[int, str] | None:
         perf = self.perf_models.get(pt.model, self.default_perf)
@@ -141,10 +148,13 @@ class PlannerCore:
                 raw, reason = po.replicas + delta, f"load: {lwhy}"
             else:
                 k = self._correction.get(po.pool, 0)
+                since = now - self._correction_at.get(po.pool, -math.inf)
                 if delta > 0 and sla_n + k <= po.replicas:
                     k += 1
-                elif delta < 0:
-                    k = max(0, k - 1)
+                    self._correction_at[po.pool] = now
+                elif delta < 0 and k > 0 and since >= cfg.scale_down_cooldown_s:
+                    k -= 1  # at most one step down per cooldown: the model under-sized this pool before
+                    self._correction_at[po.pool] = now
                 self._correction[po.pool] = k
                 raw = sla_n + k
                 reason = f"SLA: {why}" + (f"; +{k} load correction ({lwhy})" if k else "")

@@ -8,8 +8,8 @@
     kalman          local-linear-trend Kalman filter on filterpy's KalmanFilter, as Dynamo's:
                       state [level, trend], F = [[1, 1], [0, 1]], H = [1, 0],
                       Q = diag(q_level, q_trend) = diag(1.0, 0.1), R = 10, after >= 5 points;
-                      y(t+k) = level + k·trend. Values are scaled by the first observation's
-                      magnitude so the noise settings suit any unit (req/s or tokens).
+                      y(t+k) = level + k·trend. Values are divided by max(|first observation|, 1)/10
+                      so the noise settings suit any unit (req/s or tokens).
 All forecasts are floored at 0; `predict` returns None before the first observation. Pure, sync.
 """
 
@@ -99,7 +99,7 @@ class KalmanTrendPredictor:
     def observe(self, value: float) -> None:
         y = float(value)
         if self.n == 0:
-            self.scale = max(abs(y), 1e-9) / 10.0  # observations of ~10 units suit Q and R above
+            self.scale = max(abs(y), 1.0) / 10.0  # observations of ~10 units suit Q and R above
             self.kf.x = self.kf.x * 0.0
             self.kf.x[0, 0] = y / self.scale
         else:

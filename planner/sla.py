@@ -5,6 +5,8 @@ Prefill (per request: eff_isl = isl·(1 − min(kv_hit, 0.95)), service s = T(ef
     with an M/M/n queue (JSQ routing ~ one shared queue; exponential service stands in for the spread
     of prompt lengths):  C = ErlangC(n, a),  θ = n/s − rate,  μ = 1/s,
         P(TTFT > T) = (1 − C)·e^{−μT} + C·(θ·e^{−μT} − μ·e^{−θT})/(θ − μ)
+    Prompt lengths spread more (or less) than an exponential: with CV² of the prompt lengths c²,
+    the queueing part is stretched by Allen–Cunneen's M/G/n factor, θ -> θ·2/(1 + c²).
     n = the smallest n >= a/max_util with P(TTFT > T) <= 0.1. If even an idle replica misses T
     (the service alone is too slow) the target is infeasible: n is sized so C(n, a) <= 0.1 and the
     reason says so.
@@ -39,12 +41,13 @@ def erlang_c(n: int, a: float) -> float:
     return n * b / (n - a * (1 - b))
 
 
-def ttft_tail(n: int, rate: float, s: float, t: float) -> float:
-    """P(TTFT > t) for n replicas, arrival rate `rate`/s, mean service s seconds (M/M/n sojourn)."""
+def ttft_tail(n: int, rate: float, s: float, t: float, cv2: float = 1.0) -> float:
+    """P(TTFT > t) for n replicas, arrival rate `rate`/s, mean service s seconds (M/M/n sojourn,
+    the wait stretched by (1 + cv2)/2 for service-time spread cv2)."""
     a = rate * s
     if a >= n:
         return 1.0
-    mu, theta = 1.0 / s, n / s - rate
+    mu, theta = 1.0 / s, (n / s - rate) * 2.0 / (1.0 + max(cv2, 0.0))
     c = erlang_c(n, a)
     direct = math.exp(-mu * t)
     if abs(theta - mu) < 1e-12:
@@ -65,10 +68,11 @@ def prefill_replicas(perf: PerfModel, d: Demand, ttft_ms: float, max_util: float
     a = d.request_rate * s
     n = max(1, math.ceil(a / max_util))
     t = ttft_ms / 1000.0
-    feasible = ttft_tail(10_000, d.request_rate, s, t) <= _TAIL if a < 10_000 else False
+    cv2 = d.isl_cv2
+    feasible = ttft_tail(10_000, d.request_rate, s, t, cv2) <= _TAIL if a < 10_000 else False
     while n < 100_000:
-        if feasible and ttft_tail(n, d.request_rate, s, t) <= _TAIL:
-            return n, f"prefill {s * 1000:.0f} ms/request (eff ISL {_eff_isl(d):.0f}), load {a:.2f} replicas busy, TTFT p90 <= {ttft_ms:.0f} ms"
+        if feasible and ttft_tail(n, d.request_rate, s, t, cv2) <= _TAIL:
+            return n, f"prefill {s * 1000:.0f} ms/request (eff ISL {_eff_isl(d):.0f}), load {a:.2f} replicas busy, ISL CV² {cv2:.1f}, TTFT p90 <= {ttft_ms:.0f} ms"
         if not feasible and erlang_c(n, a) <= _TAIL:
             return n, (f"TTFT p90 {ttft_ms:.0f} ms is out of reach (prefill alone {s * 1000:.0f} ms at eff ISL "
                        f"{_eff_isl(d):.0f}); sized for little queueing at load {a:.2f}")

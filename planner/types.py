@@ -38,6 +38,7 @@ class Demand:
     isl: float
     osl: float
     kv_hit_rate: float
+    isl_cv2: float = 1.0  # spread of prompt lengths (1.0: as variable as an exponential)
 
     def as_dict(self) -> dict:
         return {k: round(v, 4) for k, v in asdict(self).items()}

@@ -49,6 +49,7 @@ class TelemetryAggregator:
         if not ok:
             b.errors += 1
         b.isl_sum += max(isl, 0)
+        b.isl_sq_sum += float(max(isl, 0)) ** 2
         b.osl_sum += max(osl, 0)
         if ttft_s is not None:
             b.ttft.observe(ttft_s * 1000.0)

@@ -16,6 +16,7 @@ Bucket hash fields:
     a                 requests that arrived (counted when admitted)
     n, err            requests finished, of which failed
     isl, osl          prompt / generated tokens of the finished requests (sums)
+    isl2              sum of squared prompt lengths (spread of the prefill work: CV²)
     kvh, kvq          prefix-cache hit / queried prompt tokens (engine counter deltas)
     gn, gq, gr, gk, gw  gauge samples taken at flush: count, then sums of the pool's waiting
                       requests, running requests, mean KV usage (0..1) and worker count
@@ -41,7 +42,7 @@ __all__ = [
 
 log = logging.getLogger("kvyard.telemetry")
 
-_SCALARS = {"a": "arrivals", "n": "requests", "err": "errors", "isl": "isl_sum", "osl": "osl_sum", "kvh": "kv_hit_tokens",
+_SCALARS = {"a": "arrivals", "n": "requests", "err": "errors", "isl": "isl_sum", "isl2": "isl_sq_sum", "osl": "osl_sum", "kvh": "kv_hit_tokens",
             "kvq": "kv_query_tokens", "gn": "gauge_samples", "gq": "queue_sum", "gr": "running_sum",
             "gk": "kv_usage_sum", "gw": "workers_sum", "ts": "ttft_sum", "is": "itl_sum"}
 
@@ -79,6 +80,7 @@ class PoolBucket:
     requests: int = 0
     errors: int = 0
     isl_sum: float = 0.0
+    isl_sq_sum: float = 0.0
     osl_sum: float = 0.0
     kv_hit_tokens: float = 0.0
     kv_query_tokens: float = 0.0
@@ -176,6 +178,7 @@ class PoolStats:
     request_rate: float  # finished requests per second
     arrival_rate: float  # admitted requests per second (0 if the frontend does not record arrivals)
     avg_isl: float | None
+    isl_cv2: float | None  # squared coefficient of variation of the prompt lengths
     avg_osl: float | None
     tokens_per_s: float  # generated tokens per second
     kv_hit_rate: float | None
@@ -193,6 +196,13 @@ class PoolStats:
     last_bucket_start: float | None = None
 
 
+def _cv2(m: PoolBucket) -> float | None:
+    if m.requests < 2 or m.isl_sum <= 0:
+        return None
+    mean = m.isl_sum / m.requests
+    return max(m.isl_sq_sum / m.requests - mean * mean, 0.0) / (mean * mean)
+
+
 def merge_buckets(pool: PoolKey, buckets: list[PoolBucket], window_s: float) -> PoolStats:
     m = PoolBucket(start=min((b.start for b in buckets), default=0.0))
     for b in buckets:
@@ -201,7 +211,7 @@ def merge_buckets(pool: PoolKey, buckets: list[PoolBucket], window_s: float) -> 
     w = max(window_s, 1e-9)
     return PoolStats(
         pool=pool, window_s=window_s, requests=m.requests, request_rate=m.requests / w, arrival_rate=m.arrivals / w,
-        avg_isl=m.isl_sum / m.requests if m.requests else None, avg_osl=m.osl_sum / m.requests if m.requests else None,
+        avg_isl=m.isl_sum / m.requests if m.requests else None, isl_cv2=_cv2(m), avg_osl=m.osl_sum / m.requests if m.requests else None,
         tokens_per_s=m.osl_sum / w, kv_hit_rate=m.kv_hit_tokens / m.kv_query_tokens if m.kv_query_tokens else None,
         ttft_p50_ms=m.ttft.quantile(0.5), ttft_p90_ms=m.ttft.quantile(0.9), ttft_p99_ms=m.ttft.quantile(0.99),
         itl_p50_ms=m.itl.quantile(0.5), itl_p90_ms=m.itl.quantile(0.9), itl_p99_ms=m.itl.quantile(0.99),

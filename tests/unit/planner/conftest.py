@@ -25,9 +25,10 @@ def perf() -> PerfModel:
 
 
 def stats(pool: PoolKey, rate: float = 10.0, isl: float = 1000, osl: float = 100, hit: float | None = 0.0,
-          ttft_p90: float | None = 100.0, itl_p90: float | None = 10.0, window: float = 60.0) -> PoolStats:
+          ttft_p90: float | None = 100.0, itl_p90: float | None = 10.0, window: float = 60.0,
+          cv2: float | None = None) -> PoolStats:
     return PoolStats(pool=pool, window_s=window, requests=int(rate * window), request_rate=rate, arrival_rate=rate,
-                     avg_isl=isl, avg_osl=osl, tokens_per_s=rate * osl, kv_hit_rate=hit,
+                     avg_isl=isl, isl_cv2=cv2, avg_osl=osl, tokens_per_s=rate * osl, kv_hit_rate=hit,
                      ttft_p50_ms=ttft_p90, ttft_p90_ms=ttft_p90, ttft_p99_ms=ttft_p90,
                      itl_p50_ms=itl_p90, itl_p90_ms=itl_p90, itl_p99_ms=itl_p90,
                      queue_depth=0.0, running=0.0, kv_usage=0.3, workers=1.0)

@@ -75,3 +75,11 @@ def test_arrivals_are_counted_apart_from_finishes():
     (b,) = agg.drain().buckets.values()
     stats = merge_buckets(PoolKey("m", "prefill"), [b], window_s=10)
     assert (stats.arrival_rate, stats.request_rate) == (0.4, 0.1)
+
+
+def test_prompt_length_spread():
+    agg = TelemetryAggregator(TelemetrySchema(bucket_s=10))
+    for isl in (100, 300):
+        agg.record_request("m", ttft_s=0.1, duration_s=0.1, isl=isl, osl=1, now=0.0)
+    (b,) = agg.drain().buckets.values()
+    assert merge_buckets(PoolKey("m"), [b], 10).isl_cv2 == pytest.approx(0.25)  # std 100 / mean 200, squared
