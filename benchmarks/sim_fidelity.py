@@ -9,9 +9,10 @@ For each speed-up the sim is launched as kvyard launches it (EngineProcess + Sim
    (raw asyncio client); engine TTFT = the request's `vllm:time_to_first_token_seconds` (histogram delta).
    Both are multiplied by the speed-up and compared with the profile's measured TTFT at that ISL.
 2. ITL vs batch size: B concurrent streams whose context sits on one of the profile's decode rows
-   (prompt = row context - 16). Once every stream has its first token, a window of `WINDOW_STEPS` steps
-   is measured: client ITL = mean gap between SSE events, engine ITL = `vllm:inter_token_latency_seconds`
-   delta. Prediction = the profile interpolated (the sim's TimingModel) at the window's actual state:
+   (prompt = row context - 16). Once every stream has its first token, a window of `--window-tokens`
+   tokens per stream is measured: client ITL = time per token seen by the client (chunks carry
+   continuous usage), engine ITL = `vllm:inter_token_latency_seconds` delta. Batches are limited to
+   B * speed-up <= `--max-rate` (the sim, the client and everything else share this machine's CPUs). Prediction = the profile interpolated (the sim's TimingModel) at the window's actual state:
    B sequences at their measured mean context; the nearest measured profile point is listed too.
 
 Writes benchmarks/results/sim_fidelity.json, .md and .png (if matplotlib is installed).
@@ -22,7 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import re
 import shutil
 import socket
 import statistics
@@ -55,9 +58,16 @@ def free_port() -> int:
 
 
 class RawStream:
-    """Minimal HTTP/1.1 streaming POST: records when each SSE `data:` event arrives."""
+    """Minimal HTTP/1.1 streaming POST: when each SSE event arrives and how many tokens it brings.
+
+    Requests `continuous_usage_stats`, so every chunk carries the running `completion_tokens`; under load
+    the sim (like vLLM) may put several tokens in one chunk, and ITL is time per token, not per chunk.
+    """
+
+    _TOKENS = re.compile(rb'"completion_tokens":(\d+)')
 
     def __init__(self, port: int, body: dict) -> None:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         payload = json.dumps(body).encode()
         self.request = (
             f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -65,7 +75,7 @@ class RawStream:
         ).encode() + payload
         self.port = port
         self.sent = 0.0
-        self.events: list[float] = []
+        self.events: list[tuple[float, int]] = []  # (arrival time, completion tokens so far)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -73,16 +83,21 @@ class RawStream:
             self.sent = time.perf_counter()
             writer.write(self.request)
             await writer.drain()
-            tail = b""
+            buf = b""
             while True:
                 data = await reader.read(65536)
                 now = time.perf_counter()
                 if not data:
                     return
-                buf = tail + data
-                self.events.extend([now] * buf.count(b"data: "))
-                tail = buf[-6:]
-                if b"[DONE]" in buf or (stop is not None and stop.is_set()):
+                buf += data
+                *done, buf = buf.split(b"\n\n")
+                for ev in done:
+                    m = self._TOKENS.search(ev)
+                    if m and b'"choices":[]' not in ev:
+                        self.events.append((now, int(m.group(1))))
+                    elif ev.endswith(b"[DONE]"):
+                        return
+                if stop is not None and stop.is_set():
                     return
         finally:
             writer.close()
@@ -113,51 +128,48 @@ async def ttft_sweep(url: str, port: int, isls: list[int], speedup: float, reps:
         client, engine = [], []
         for _ in range(reps):
             before = await scrape(url, "time_to_first_token_seconds")
-            s = RawStream(port, {"model": MODEL, "prompt": prompt(rng, isl), "max_tokens": 1, "stream": True})
+            s = RawStream(port, {"model": MODEL, "prompt": prompt(rng, isl), "max_tokens": 1})
             await s.run()
             after = await scrape(url, "time_to_first_token_seconds")
-            client.append((s.events[0] - s.sent) * speedup * 1000)
+            client.append((s.events[0][0] - s.sent) * speedup * 1000)
             engine.append((after[0] - before[0]) * speedup * 1000)
         rows.append({"isl": isl, "client_ms": statistics.median(client), "engine_ms": statistics.median(engine)})
     return rows
 
 
-async def itl_point(url: str, port: int, batch: int, ctx: int, speedup: float, rng: random.Random, window_steps: int) -> dict:
+async def itl_point(url: str, port: int, batch: int, ctx: int, speedup: float, rng: random.Random, window_tokens: int) -> dict:
     stop = asyncio.Event()
     plen = ctx - 16
-    streams = [RawStream(port, {"model": MODEL, "prompt": prompt(rng, plen), "max_tokens": 4000, "stream": True}) for _ in range(batch)]
+    streams = [RawStream(port, {"model": MODEL, "prompt": prompt(rng, plen), "max_tokens": 4000}) for _ in range(batch)]
     tasks = [asyncio.create_task(s.run(stop)) for s in streams]
     while not all(s.events for s in streams):  # wait until every stream decodes
         await asyncio.sleep(0.005)
-    t0 = time.perf_counter()
-    n0 = [len(s.events) for s in streams]
     m0 = await scrape(url, "inter_token_latency_seconds")
-    await asyncio.sleep(0.001)
-    while min(len(s.events) - n for s, n in zip(streams, n0)) < window_steps:
+    starts = [s.events[-1] for s in streams]
+    while min(s.events[-1][1] - e[1] for s, e in zip(streams, starts)) < window_tokens:
         await asyncio.sleep(0.002)
     m1 = await scrape(url, "inter_token_latency_seconds")
-    t1 = time.perf_counter()
     stop.set()
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    gaps = []
-    generated = []
-    for s, n in zip(streams, n0):
-        ev = [t for t in s.events[n - 1 :] if t <= t1]
-        gaps.extend(b - a for a, b in zip(ev, ev[1:]))
-        generated.append(len([t for t in s.events if t <= (t0 + t1) / 2]))
-    mean_ctx = plen + statistics.mean(generated)
+    per_token, contexts = [], []
+    for s, (t0, k0) in zip(streams, starts):
+        t1, k1 = s.events[-1]
+        per_token.append((t1 - t0) / max(1, k1 - k0))
+        contexts.append(plen + (k0 + k1) / 2)
     await asyncio.sleep(0.5)  # let the aborts land before the next point
     return {
-        "batch": batch, "mean_context": mean_ctx,
-        "client_ms": statistics.mean(gaps) * speedup * 1000,
+        "batch": batch, "mean_context": statistics.mean(contexts),
+        "client_ms": statistics.mean(per_token) * speedup * 1000,
         "engine_ms": (m1[0] - m0[0]) / max(1.0, m1[1] - m0[1]) * speedup * 1000,
+        "tokens_per_chunk": statistics.mean((s.events[-1][1] - e[1]) / max(1, sum(1 for ev in s.events if ev[0] > e[0])) for s, e in zip(streams, starts)),
     }  # fmt: skip
 
 
 def run_speedup(profile_name: str, speedup: float, isls: list[int], batches: list[int], ctx: int, reps: int,
-                window_steps: int) -> dict:
+                window_tokens: int) -> dict:
+    """Launch one sim at `speedup`, run both sweeps against it, stop it."""
     work = Path(tempfile.mkdtemp(prefix="kvy-fid-"))
     cfg = EngineLaunchConfig(
         model=profile_name, served_model_name=MODEL, port=free_port(), block_size=16, max_model_len=MAX_MODEL_LEN,
@@ -171,7 +183,7 @@ def run_speedup(profile_name: str, speedup: float, isls: list[int], batches: lis
 
         async def main() -> dict:
             ttft = await ttft_sweep(proc.url, cfg.port, isls, speedup, reps, rng)
-            itl = [await itl_point(proc.url, cfg.port, b, ctx, speedup, rng, window_steps) for b in batches]
+            itl = [await itl_point(proc.url, cfg.port, b, ctx, speedup, rng, window_tokens) for b in batches]
             return {"speedup": speedup, "ttft": ttft, "itl": itl}
 
         return asyncio.run(main())
@@ -191,7 +203,8 @@ def annotate(result: dict, model: TimingModel) -> None:
         u = r["batch"] * r["mean_context"] / model.max_kv_tokens
         r["kv_usage"] = u
         r["profile_ms"] = model.itl_ms(u, r["mean_context"])
-        j = min(range(len(p.decode_itl_ms)), key=lambda k: abs(p.decode_kv_usage[k] - u) + abs(p.decode_context[k] - r["mean_context"]) / 1e5)
+        row = min(set(p.decode_context.tolist()), key=lambda c: abs(c - r["mean_context"]))  # closest context row,
+        j = min((k for k in range(len(p.decode_itl_ms)) if p.decode_context[k] == row), key=lambda k: abs(p.decode_kv_usage[k] - u))
         r["nearest_point"] = {"kv_usage": float(p.decode_kv_usage[j]), "context": float(p.decode_context[j]), "itl_ms": float(p.decode_itl_ms[j])}
         r["client_err"] = r["client_ms"] / r["profile_ms"] - 1
         r["engine_err"] = r["engine_ms"] / r["profile_ms"] - 1
@@ -209,13 +222,13 @@ def markdown(report: dict) -> str:
         for r in res["ttft"]:
             out.append(f"| {r['isl']} | {r['profile_ms']:.1f} | {r['engine_ms']:.1f} | {r['engine_err']:+.1%} | {r['client_ms']:.1f} | {r['client_err']:+.1%} |")
         out += ["", f"### ITL vs batch size (context on the profile row ~{report['itl_context']})", "",
-                "| B | mean ctx | KV usage | profile ms | nearest point (u, ctx, ms) | engine ms | engine err | client ms | client err |",
-                "|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+                "| B | mean ctx | KV usage | profile ms | nearest point (u, ctx, ms) | engine ms | engine err | client ms | client err | tokens/chunk |",
+                "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
         for r in res["itl"]:
             n = r["nearest_point"]
             out.append(f"| {r['batch']} | {r['mean_context']:.0f} | {r['kv_usage']:.3f} | {r['profile_ms']:.2f} | "
                        f"({n['kv_usage']:.3f}, {n['context']:.0f}, {n['itl_ms']:.2f}) | {r['engine_ms']:.2f} | {r['engine_err']:+.1%} | "
-                       f"{r['client_ms']:.2f} | {r['client_err']:+.1%} |")
+                       f"{r['client_ms']:.2f} | {r['client_err']:+.1%} | {r['tokens_per_chunk']:.1f} |")
         out.append("")
     return "\n".join(out)
 
@@ -253,7 +266,8 @@ def main() -> None:
     ap.add_argument("--profile", default="h200-llama3.1-8b")
     ap.add_argument("--speedups", type=float, nargs="+", default=[1.0, 10.0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--window-steps", type=int, default=40)
+    ap.add_argument("--window-tokens", type=int, default=40)
+    ap.add_argument("--max-rate", type=float, default=600.0, help="largest B x speed-up measured")
     ap.add_argument("--quick", action="store_true", help="fewer points (smoke run)")
     args = ap.parse_args()
     model = TimingModel(load_profile(args.profile))
@@ -262,15 +276,16 @@ def main() -> None:
     rows = sorted(set(float(c) for c in p.decode_context))
     ctx = int(rows[1] if len(rows) > 1 else rows[0])
     on_row = sorted({round(float(u) * model.max_kv_tokens / ctx) for u, c in zip(p.decode_kv_usage, p.decode_context) if c == ctx})
-    batches = [b for b in on_row if b <= 256]
+    batches = sorted({b for b in on_row if b <= 256} | {8, 16, 32})
     if args.quick:
         isls, batches = isls[::4], batches[:3]
     report = {
         "profile": args.profile, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{__import__('os').cpu_count()} CPUs, Python {sys.version.split()[0]}", "itl_context": ctx, "runs": [],
+        "machine": f"{os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f} at start), Python {sys.version.split()[0]}", "itl_context": ctx, "runs": [],
     }  # fmt: skip
     for s in args.speedups:
-        res = run_speedup(args.profile, s, isls, batches, ctx, args.reps, args.window_steps)
+        bs = [b for b in batches if b * s <= args.max_rate]
+        res = run_speedup(args.profile, s, isls, bs, ctx, args.reps, args.window_tokens)
         annotate(res, model)
         report["runs"].append(res)
         print(f"speed-up {s:g} done", flush=True)

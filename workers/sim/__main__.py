@@ -6,6 +6,7 @@ seed for block hashes when set (engines.md §1), so the sim's published hashes m
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -19,6 +20,10 @@ def main(argv: list[str] | None = None) -> None:
     from workers.sim.server import build_app
 
     app = build_app(cfg)
+    # The tokenizer vocabulary and precomputed text are permanent: keep them out of the cyclic GC's
+    # full collections, which would otherwise stall the engine loop for milliseconds now and then.
+    gc.collect()
+    gc.freeze()
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False, timeout_keep_alive=30,
                 loop=cfg.uvicorn_loop, http=cfg.uvicorn_http)
 

@@ -21,10 +21,10 @@ Pure and synchronous; events accumulate until `take_events()`.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from workers.sim.free_queue import FreeBlockQueue
 from workers.sim.hashing import to_external
 
 __all__ = ["KvBlockManager"]
@@ -43,7 +43,7 @@ class KvBlockManager:
         self.ref_cnt = [0] * num_gpu_blocks
         self.block_hash: list[bytes | None] = [None] * num_gpu_blocks
         # front = next to allocate / evict; block 0 (null block) is never free
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_gpu_blocks))
+        self._free = FreeBlockQueue(num_gpu_blocks, range(1, num_gpu_blocks))
         self._cached: dict[bytes, list[int]] = {}
         self.req_blocks: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}
@@ -119,11 +119,11 @@ class KvBlockManager:
                 self._num_cached[req_id] = len(new_computed_blocks)
             for b in new_computed_blocks:
                 if self.ref_cnt[b] == 0:
-                    del self._free[b]
+                    self._free.remove(b)
                 self.ref_cnt[b] += 1
             blocks.extend(new_computed_blocks)
         for _ in range(num_new_blocks):
-            b, _ = self._free.popitem(last=False)
+            b = self._free.popleft()
             self._evict(b)
             self.ref_cnt[b] = 1
             blocks.append(b)
@@ -145,10 +145,9 @@ class KvBlockManager:
                 if self.block_hash[b] is None or not self.enable_caching:
                     front.append(b)
                 else:
-                    self._free[b] = None  # back of the queue: evicted last (LRU)
+                    self._free.append(b)  # back of the queue: evicted last (LRU)
         for b in reversed(front):  # prepend, keeping `front` order at the head
-            self._free[b] = None
-            self._free.move_to_end(b, last=False)
+            self._free.appendleft(b)
 
     def reset_prefix_cache(self) -> bool:
         if len(self._free) != self.num_gpu_blocks - 1:

@@ -25,8 +25,7 @@ __all__ = ["ChunkWriter", "dumps", "completion_body", "chat_body", "usage_dict"]
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # pydantic's compact JSON
 
 
 def usage_dict(prompt: int, completion: int, cached: int | None, details: bool) -> dict[str, Any]:

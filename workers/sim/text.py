@@ -91,7 +91,10 @@ class TextSource:
         self.strings: dict[int, str] = {i: tokenizer.decode([i]) for i in set(self.sequence)}
 
     def offset(self, prompt_token_ids: Sequence[int]) -> int:
-        raw = array("I", (t & 0xFFFFFFFF for t in prompt_token_ids)).tobytes()
+        try:
+            raw = array("I", prompt_token_ids).tobytes()
+        except (OverflowError, TypeError):  # out-of-range ids: vLLM would reject them; stay deterministic
+            raw = array("I", (int(t) & 0xFFFFFFFF for t in prompt_token_ids)).tobytes()
         return (zlib.crc32(raw) + self.seed) % self.length
 
     def source(self, prompt_token_ids: Sequence[int]) -> Callable[[int], int]:

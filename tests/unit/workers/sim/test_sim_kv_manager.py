@@ -161,3 +161,20 @@ def test_no_caching_means_no_hits_and_no_events():
     assert alloc(kv, "a", list(range(9)))
     kv.free("a")
     assert kv.take_events() == [] and kv.get_computed_blocks(hashes(list(range(9))), 9) == ([], 0)
+
+
+def test_free_block_queue_operations():
+    from workers.sim.free_queue import FreeBlockQueue
+
+    q = FreeBlockQueue(6, [1, 2, 3])
+    q.appendleft(4)
+    q.append(5)
+    q.remove(2)
+    assert list(q) == [4, 1, 3, 5] and len(q) == 4 and 2 not in q and 3 in q
+    assert [q.popleft(), q.popleft()] == [4, 1]
+    q.append(2)
+    assert list(q) == [3, 5, 2]
+    for _ in range(3):
+        q.popleft()
+    with pytest.raises(IndexError):
+        q.popleft()
