@@ -8,7 +8,8 @@
 
 The next step starts at the previous deadline, not at wake-up time, so sleep overshoot and Python
 overhead do not accumulate; if the loop falls more than `max_lag_s` behind (an overloaded CPU), it
-re-anchors to now instead of bursting. Aborts (client disconnect, stop strings) free blocks at once.
+re-anchors to now instead of bursting. A step that starts an idle engine is anchored at the arrival of
+the request that woke it (a GPU would have started right away). Aborts (client disconnect, stop strings) free blocks at once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = ["RequestStream", "SimEngine"]
 log = logging.getLogger(__name__)
 COARSE_S = 0.0015  # below this, finish a step's wait with a precise blocking sleep
 MAX_NO_YIELD_S = 0.005  # when behind schedule, still let HTTP handlers run at least this often
+MAX_OVERSHOOT_S = 0.0003  # cap on the learned sleep-lateness compensation
 
 
 class RequestStream:
@@ -86,6 +88,8 @@ class SimEngine:
         self.steps = 0
         self.busy_time = 0.0
         self._last_yield = 0.0
+        self._kick: float | None = None  # arrival of the request that woke the idle engine
+        self._overshoot = 0.0  # learned lateness of time.sleep, subtracted from the next sleeps
 
     # ---- intake --------------------------------------------------------------------------------
     def submit(
@@ -106,10 +110,13 @@ class SimEngine:
             stop_token_ids=frozenset(stop_token_ids),
             min_tokens=min_tokens,
         )
+        idle = not self.scheduler.has_work
         self.scheduler.add_request(req)
         stream = RequestStream(req, self.clock())
         self.streams[request_id] = stream
-        self._wake.set()
+        if idle:  # an idle GPU would start this request's step now, not when the loop gets to it
+            self._kick = stream.arrival
+            self._wake.set()
         return stream
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
@@ -129,7 +136,7 @@ class SimEngine:
             if not sched.has_work:
                 self._wake.clear()
                 await self._wake.wait()
-                next_start = None
+                next_start = self._kick
                 continue
             now = self.clock()
             start = now if next_start is None else max(next_start, now - self.max_lag_s)
@@ -159,7 +166,8 @@ class SimEngine:
 
         asyncio timers wake up to ~1 ms late (epoll timeouts are rounded up to whole milliseconds),
         which would stretch every sub-millisecond step at high speed-ups; so the loop sleeps on
-        asyncio only while more than `COARSE_S` remains and finishes with a short blocking sleep.
+        asyncio only while more than `COARSE_S` remains and finishes with a short blocking sleep,
+        aimed early by the lateness it has observed (an EWMA, at most `MAX_OVERSHOOT_S`).
         """
         now = self.clock()
         if deadline > now or now - self._last_yield > MAX_NO_YIELD_S:
@@ -169,8 +177,10 @@ class SimEngine:
         if delay > COARSE_S:
             await asyncio.sleep(delay - COARSE_S)
             delay = deadline - self.clock()
-        if delay > 0:
-            time.sleep(delay)
+        if delay > self._overshoot:
+            time.sleep(delay - self._overshoot)
+            late = self.clock() - deadline  # learn the OS's wake-up lateness (EWMA), aim that much early
+            self._overshoot = min(MAX_OVERSHOOT_S, max(0.0, self._overshoot + 0.1 * late))
 
     def _finish_step(self, plan: StepPlan, now: float) -> None:
         streams = self.streams
