@@ -3,6 +3,7 @@
 #
 #   bash scripts/gen_protos.sh            # uses .venv/bin/python (needs the dev extra: grpcio-tools)
 #   PY=python3 bash scripts/gen_protos.sh
+#   bash scripts/gen_protos.sh DIR        # write elsewhere (the drift test compares DIR with the committed stubs)
 #
 # protoc's output is post-processed in three ways:
 #   * the messages are registered in a private descriptor pool instead of protobuf's default one, so
@@ -16,7 +17,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PY:-$ROOT/.venv/bin/python}"
 SRC="$ROOT/orchestrator/protos"
-OUT="$ROOT/orchestrator/grpc/generated"
+OUT="${1:-$ROOT/orchestrator/grpc/generated}"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 
@@ -36,4 +37,4 @@ grep -q '^from \. import grpc_service_pb2' "$TMP/grpc_service_pb2_grpc.py" || { 
 
 mkdir -p "$OUT"
 cp "$TMP"/grpc_service_pb2.py "$TMP"/grpc_service_pb2.pyi "$TMP"/grpc_service_pb2_grpc.py "$OUT"/
-echo "regenerated $(ls "$OUT" | grep -c _pb2) stub files in ${OUT#$ROOT/}"
+echo "regenerated 3 stub files in ${OUT#"$ROOT"/}"

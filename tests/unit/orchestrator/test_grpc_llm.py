@@ -163,3 +163,34 @@ def test_trailing_metadata_carries_type_code_and_retry_after():
 def test_engine_error_message(body, message):
     exc = engine_error(400, body)
     assert isinstance(exc, KvyardError) and exc.status == 400 and exc.message == message
+
+
+def test_committed_stubs_match_the_proto(tmp_path):
+    """scripts/gen_protos.sh regenerates exactly what is committed (edit the .proto, then run the script)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    proc = subprocess.run(["bash", str(repo / "scripts" / "gen_protos.sh"), str(tmp_path)], env={"PY": sys.executable, "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    committed = repo / "orchestrator" / "grpc" / "generated"
+    for name in ("grpc_service_pb2.py", "grpc_service_pb2.pyi", "grpc_service_pb2_grpc.py"):
+        assert (tmp_path / name).read_text() == (committed / name).read_text(), f"{name} is stale: run scripts/gen_protos.sh"
+
+
+@pytest.mark.parametrize("argv, yaml_text, port", [
+    (["frontend"], None, 8001),
+    (["frontend", "--grpc-port", "0"], None, 0),
+    (["up", "--grpc-port", "9101"], None, 9101),
+    (["frontend"], "frontend:\n  grpc_port: 9100\n", 9100),
+    (["frontend", "--grpc-port", "9102"], "frontend:\n  grpc_port: 9100\n", 9102),
+])
+def test_cli_grpc_port(tmp_path, argv, yaml_text, port):
+    from orchestrator.cli import _build_parser, _frontend_config
+
+    if yaml_text is not None:
+        (tmp_path / "c.yaml").write_text(yaml_text)
+        argv = [*argv, "--config", str(tmp_path / "c.yaml")]
+    assert _frontend_config(_build_parser().parse_args(argv)).grpc_port == port
