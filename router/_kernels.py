@@ -10,6 +10,10 @@
           nothing is active; workers active after the last key matched all: (len(keys), active).
     kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight) -> {worker_id: score}
           the kv cost scorer (formula in router/plugins/kv.py), bit-identical floats in both.
+    rank_by_score(scores, endpoints, r) -> endpoints, highest score first (missing: 0.0), ties in
+          input order, except that the leaders tied for first are rotated by r % their count.
+    merge_loads(endpoints, own_loads) -> None: for each endpoint with an entry in own_loads, copy
+          the scraped engine fields into that entry and make it the endpoint's load.
 
 The C table stores keys and masks inline (16 bytes per entry for up to 64 workers, 3/4 full at
 most), where a dict of Python ints costs ~10x the memory and 4 cache misses per lookup.
@@ -19,7 +23,8 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["IMPLEMENTATION", "MaskTable", "PyMaskTable", "kv_scores", "py_kv_scores"]
+__all__ = ["IMPLEMENTATION", "MaskTable", "PyMaskTable", "kv_scores", "merge_loads", "py_kv_scores", "py_merge_loads", "py_rank_by_score",
+           "rank_by_score"]
 
 
 class PyMaskTable:
@@ -97,10 +102,33 @@ def py_kv_scores(endpoints, overlaps: dict[str, int], isl: int, hashed_block_siz
     return dict(zip(wids, [(hi - x) * inv for x in logits]))
 
 
+def py_rank_by_score(scores: dict[str, float], endpoints: list, r: int) -> list:
+    get = scores.get
+    vals = [get(ep.worker_id, 0.0) for ep in endpoints]
+    order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # stable: ties keep input order
+    ties = vals.count(vals[order[0]]) if order else 0
+    if ties > 1:
+        rot = r % ties
+        order[:ties] = order[rot:ties] + order[:rot]
+    return [endpoints[i] for i in order]
+
+
+def py_merge_loads(endpoints: list, own_loads: dict) -> None:
+    get = own_loads.get
+    for ep in endpoints:
+        own = get(ep.worker_id)
+        if own is None or own is ep.load:  # nothing booked yet (own counters 0), or merged already
+            continue
+        scraped = ep.load
+        own.engine_waiting = scraped.engine_waiting
+        own.engine_kv_usage = scraped.engine_kv_usage
+        ep.load = own
+
+
 try:
-    from router._kvcore import MaskTable, kv_scores
+    from router._kvcore import MaskTable, kv_scores, merge_loads, rank_by_score
 
     IMPLEMENTATION = "c"
 except ImportError:
-    MaskTable, kv_scores = PyMaskTable, py_kv_scores  # type: ignore[misc]
+    MaskTable, kv_scores, rank_by_score, merge_loads = PyMaskTable, py_kv_scores, py_rank_by_score, py_merge_loads  # type: ignore[misc]
     IMPLEMENTATION = "python"

@@ -25,11 +25,20 @@
  *   kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight) -> {worker_id: score}
  *       Dynamo's routing cost per endpoint, normalised to [0, 1]; the formula is in
  *       router/plugins/kv.py, whose Python version gives bit-identical floats.
+ *   rank_by_score(scores, endpoints, r) -> endpoints, highest score first (missing: 0.0), ties in
+ *       input order, except that the leaders tied for first are rotated by r % their count.
+ *   merge_loads(endpoints, own_loads) -> None: for each endpoint with an entry in own_loads,
+ *       copy the scraped engine fields into that entry and make it the endpoint's load.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#endif
+
+#include <structmember.h>
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
@@ -172,8 +181,13 @@ chain_hashes(PyObject *self, PyObject *args, PyObject *kwargs)
                 uint32_t t;
                 if (raw != NULL)
                     t = raw[b * block_size + j];
-                else if (token_u32(items[b * block_size + j], &t) < 0)
-                    goto fail;
+                else {
+                    Py_ssize_t at = b * block_size + j;
+                    if (at + 16 < n)
+                        __builtin_prefetch(items[at + 16]); /* the int objects are scattered: overlap the misses */
+                    if (token_u32(items[at], &t) < 0)
+                        goto fail;
+                }
                 buf[j] = big ? XXH_swap32(t) : t;
             }
             block = buf;
@@ -247,13 +261,48 @@ find(const MaskTable *t, uint64_t key)
     }
 }
 
+/* Tables of 4 MiB and more get their own mapping, with transparent huge pages where the kernel
+ * allows (fewer TLB misses on the random probes of a big table). */
+#define BIG_TABLE (4u << 20)
+
+static void *
+table_calloc(size_t bytes)
+{
+#ifdef MAP_ANONYMOUS
+    if (bytes >= BIG_TABLE) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED)
+            return NULL;
+#ifdef MADV_HUGEPAGE
+        madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+        return p; /* zero-filled */
+    }
+#endif
+    return PyMem_Calloc(bytes, 1);
+}
+
+static void
+table_free(void *p, size_t bytes)
+{
+    if (p == NULL)
+        return;
+#ifdef MAP_ANONYMOUS
+    if (bytes >= BIG_TABLE) {
+        munmap(p, bytes);
+        return;
+    }
+#endif
+    PyMem_Free(p);
+}
+
 static int
 table_alloc(MaskTable *t, Py_ssize_t cap, int words)
 {
     uint64_t *old = t->data;
     Py_ssize_t oldcap = t->cap;
     int oldwords = t->words;
-    uint64_t *data = PyMem_Calloc((size_t)cap * (size_t)(words + 1), sizeof(uint64_t));
+    uint64_t *data = table_calloc((size_t)cap * (size_t)(words + 1) * sizeof(uint64_t));
     if (data == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -278,7 +327,7 @@ table_alloc(MaskTable *t, Py_ssize_t cap, int words)
             d[0] = e[0];
             memcpy(d + 1, e + 1, sizeof(uint64_t) * oldwords);
         }
-        PyMem_Free(old);
+        table_free(old, (size_t)oldcap * (size_t)(oldwords + 1) * sizeof(uint64_t));
     }
     return 0;
 }
@@ -342,7 +391,7 @@ MaskTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 MaskTable_dealloc(MaskTable *t)
 {
-    PyMem_Free(t->data);
+    table_free(t->data, (size_t)t->cap * (size_t)STRIDE(t) * sizeof(uint64_t));
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -483,7 +532,11 @@ emit(PyObject *out, Py_ssize_t depth, PyObject *mask)
     return rc;
 }
 
-/* match(keys) -> [(depth, mask)]: see the header comment */
+/* match(keys) -> [(depth, mask)]: see the header comment. The keys are converted first, then
+ * probed with the home slot of the key PREFETCH places ahead already requested from memory, so
+ * the cache misses of a long walk overlap instead of adding up. */
+#define PREFETCH 16
+
 static PyObject *
 MaskTable_match(MaskTable *t, PyObject *keys)
 {
@@ -493,26 +546,32 @@ MaskTable_match(MaskTable *t, PyObject *keys)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     const int W = t->words;
-    uint64_t stack[16];
+    uint64_t stack[16], kstack[512];
     uint64_t *active = W <= 8 ? stack : PyMem_Malloc(sizeof(uint64_t) * 2 * W);
-    uint64_t *dropped = active + W;
+    uint64_t *hk = n <= 512 ? kstack : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    uint64_t *dropped = active ? active + W : NULL;
     PyObject *out = PyList_New(0);
-    if (active == NULL || out == NULL)
-        goto fail;
-    uint64_t key;
     Py_ssize_t i;
+    if (active == NULL || hk == NULL || out == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto fail;
+    }
     if (n == 0)
         goto done;
-    if (key_of(items[0], &key) < 0)
-        goto fail;
-    i = find(t, key);
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (key_of(items[k], &hk[k]) < 0)
+            goto fail;
+    for (Py_ssize_t k = 1; k < n && k < PREFETCH; k++)
+        __builtin_prefetch(ENTRY(t, home(t, hk[k])));
+    i = find(t, hk[0]);
     if (i < 0)
         goto done;
     memcpy(active, ENTRY(t, i) + 1, sizeof(uint64_t) * W);
     for (Py_ssize_t k = 1; k < n; k++) {
-        if (key_of(items[k], &key) < 0)
-            goto fail;
-        i = find(t, key);
+        if (k + PREFETCH < n)
+            __builtin_prefetch(ENTRY(t, home(t, hk[k + PREFETCH])));
+        i = find(t, hk[k]);
         const uint64_t *m = i < 0 ? NULL : ENTRY(t, i) + 1;
         int changed = 0, left = 0;
         for (int w = 0; w < W; w++) {
@@ -532,11 +591,15 @@ MaskTable_match(MaskTable *t, PyObject *keys)
 done:
     if (active != stack)
         PyMem_Free(active);
+    if (hk != kstack)
+        PyMem_Free(hk);
     Py_DECREF(seq);
     return out;
 fail:
     if (active != stack)
         PyMem_Free(active);
+    if (hk != kstack)
+        PyMem_Free(hk);
     Py_XDECREF(out);
     Py_DECREF(seq);
     return NULL;
@@ -575,6 +638,73 @@ static PyTypeObject MaskTableType = {
     .tp_new = MaskTable_new,
 };
 
+/* ---- reading dataclass(slots=True) fields fast ---------------------------------------------
+ * Endpoint and EndpointLoad are slotted dataclasses: each field is a member descriptor at a fixed
+ * offset in the object. The offsets are looked up once per (type, type version) and read
+ * directly; any other type (or an unset slot) goes through the ordinary getattr. */
+
+typedef struct {
+    PyTypeObject *type;
+    unsigned int version;
+    int ok;
+    Py_ssize_t off[4];
+} SlotCache;
+
+static int
+slot_cache_fill(SlotCache *c, PyTypeObject *tp, PyObject *const *names, int n)
+{
+    c->type = tp;
+    c->version = tp->tp_version_tag;
+    c->ok = 0;
+    if (!(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG))
+        return 0;
+    for (int i = 0; i < n; i++) {
+        PyObject *d = _PyType_Lookup(tp, names[i]);
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type))
+            return 0;
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY))
+            return 0;
+        c->off[i] = m->offset;
+    }
+    c->ok = 1;
+    return 0;
+}
+
+/* New reference to obj.<names[i]>. */
+static inline PyObject *
+slot_get(SlotCache *c, PyObject *obj, PyObject *const *names, int n, int i)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp != c->type || tp->tp_version_tag != c->version)
+        slot_cache_fill(c, tp, names, n);
+    if (c->ok) {
+        PyObject *v = *(PyObject **)((char *)obj + c->off[i]);
+        if (v != NULL) {
+            Py_INCREF(v);
+            return v;
+        }
+    }
+    return PyObject_GetAttr(obj, names[i]);
+}
+
+static PyObject *EP_NAMES[3], *LOAD_NAMES[2]; /* worker_id, block_size, load; prefill_tokens, active_blocks */
+static SlotCache ep_cache, load_cache;
+
+static int
+as_double(PyObject *o, double *out)
+{
+    if (PyLong_CheckExact(o)) {
+        long long v = PyLong_AsLongLong(o);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        *out = (double)v;
+        return 0;
+    }
+    *out = PyFloat_AsDouble(o);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
 /* ---- kv_scores: Dynamo's cost per endpoint, normalised to [0, 1] (router/plugins/kv.py) ---- */
 
 static PyObject *
@@ -585,38 +715,27 @@ kv_scores(PyObject *self, PyObject *args)
     double weight;
     if (!PyArg_ParseTuple(args, "O!O!LLd", &PyList_Type, &endpoints, &PyDict_Type, &overlaps, &isl, &hashed, &weight))
         return NULL;
-    static PyObject *s_wid, *s_bs, *s_load, *s_pf, *s_ab;
-    if (s_wid == NULL) {
-        s_wid = PyUnicode_InternFromString("worker_id");
-        s_bs = PyUnicode_InternFromString("block_size");
-        s_load = PyUnicode_InternFromString("load");
-        s_pf = PyUnicode_InternFromString("prefill_tokens");
-        s_ab = PyUnicode_InternFromString("active_blocks");
-        if (!s_wid || !s_bs || !s_load || !s_pf || !s_ab)
-            return NULL;
-    }
     Py_ssize_t n = PyList_GET_SIZE(endpoints);
     double stackl[128];
     PyObject *stackw[128];
     double *logit = n <= 128 ? stackl : PyMem_Malloc(sizeof(double) * (size_t)n);
-    PyObject **wids = n <= 128 ? stackw : PyMem_Calloc((size_t)n, sizeof(PyObject *));
-    PyObject *out = NULL;
-    Py_ssize_t got = 0, nw = 0;
+    PyObject **wids = n <= 128 ? stackw : PyMem_Malloc(sizeof(PyObject *) * (size_t)n);
+    PyObject *out = NULL, *bso = NULL, *load = NULL, *pfo = NULL, *abo = NULL;
+    Py_ssize_t nw = 0;
     if (logit == NULL || wids == NULL) {
         PyErr_NoMemory();
         goto cleanup;
     }
     int any_overlap = PyDict_GET_SIZE(overlaps) > 0;
-    for (; got < n; got++) {
-        PyObject *ep = PyList_GET_ITEM(endpoints, got);
-        PyObject *wid = PyObject_GetAttr(ep, s_wid);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *ep = PyList_GET_ITEM(endpoints, k);
+        PyObject *wid = slot_get(&ep_cache, ep, EP_NAMES, 3, 0);
         if (wid == NULL)
             goto cleanup;
-        wids[got] = wid;
-        nw = got + 1;
-        PyObject *bso = PyObject_GetAttr(ep, s_bs);
+        wids[nw++] = wid;
+        bso = slot_get(&ep_cache, ep, EP_NAMES, 3, 1);
         long long bs = bso ? PyLong_AsLongLong(bso) : -1;
-        Py_XDECREF(bso);
+        Py_CLEAR(bso);
         if (bs == -1 && PyErr_Occurred())
             goto cleanup;
         if (bs <= 0) {
@@ -631,18 +750,18 @@ kv_scores(PyObject *self, PyObject *args)
             if (o != NULL && (ov = PyLong_AsLongLong(o)) == -1 && PyErr_Occurred())
                 goto cleanup;
         }
-        PyObject *load = PyObject_GetAttr(ep, s_load);
-        if (load == NULL)
+        double pf, ab;
+        if ((load = slot_get(&ep_cache, ep, EP_NAMES, 3, 2)) == NULL)
             goto cleanup;
-        PyObject *pfo = PyObject_GetAttr(load, s_pf), *abo = PyObject_GetAttr(load, s_ab);
-        Py_DECREF(load);
-        double pf = pfo ? PyFloat_AsDouble(pfo) : -1.0, ab = abo ? PyFloat_AsDouble(abo) : -1.0;
-        Py_XDECREF(pfo);
-        Py_XDECREF(abo);
-        if (PyErr_Occurred())
+        if ((pfo = slot_get(&load_cache, load, LOAD_NAMES, 2, 0)) == NULL || as_double(pfo, &pf) < 0)
             goto cleanup;
+        if ((abo = slot_get(&load_cache, load, LOAD_NAMES, 2, 1)) == NULL || as_double(abo, &ab) < 0)
+            goto cleanup;
+        Py_CLEAR(load);
+        Py_CLEAR(pfo);
+        Py_CLEAR(abo);
         long long nb = (isl + bs - 1) / bs;
-        logit[got] = weight * ((double)(isl - ov * bs) + pf) / (double)bs + ((double)(nb - ov) + ab);
+        logit[k] = weight * ((double)(isl - ov * bs) + pf) / (double)bs + ((double)(nb - ov) + ab);
     }
     double lo = 0, hi = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -652,7 +771,7 @@ kv_scores(PyObject *self, PyObject *args)
             hi = logit[i];
     }
     double span = hi - lo, inv = span > 0 ? 1.0 / span : 0.0;
-    out = PyDict_New();
+    out = _PyDict_NewPresized(n);
     for (Py_ssize_t i = 0; out && i < n; i++) {
         PyObject *v = PyFloat_FromDouble(span > 0 ? (hi - logit[i]) * inv : 1.0);
         if (v == NULL || PyDict_SetItem(out, wids[i], v) < 0)
@@ -660,6 +779,10 @@ kv_scores(PyObject *self, PyObject *args)
         Py_XDECREF(v);
     }
 cleanup:
+    Py_XDECREF(bso);
+    Py_XDECREF(load);
+    Py_XDECREF(pfo);
+    Py_XDECREF(abo);
     for (Py_ssize_t i = 0; i < nw; i++)
         Py_DECREF(wids[i]);
     if (logit != stackl)
@@ -669,9 +792,113 @@ cleanup:
     return out;
 }
 
+/* ---- merge_loads: the router's own load bookkeeping into each endpoint (router/router.py) ---- */
+
+static PyObject *ENGINE_NAMES[2]; /* engine_waiting, engine_kv_usage */
+
+static PyObject *
+merge_loads(PyObject *self, PyObject *args)
+{
+    PyObject *endpoints, *own_loads;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &endpoints, &PyDict_Type, &own_loads))
+        return NULL;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(endpoints); k++) {
+        PyObject *ep = PyList_GET_ITEM(endpoints, k);
+        PyObject *wid = slot_get(&ep_cache, ep, EP_NAMES, 3, 0);
+        if (wid == NULL)
+            return NULL;
+        PyObject *own = PyDict_GetItemWithError(own_loads, wid);
+        Py_DECREF(wid);
+        if (own == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            continue; /* nothing booked there yet: the scraped load stands (own counters 0) */
+        }
+        PyObject *scraped = slot_get(&ep_cache, ep, EP_NAMES, 3, 2);
+        if (scraped == NULL)
+            return NULL;
+        int rc = 0;
+        if (scraped != own) {
+            for (int i = 0; rc == 0 && i < 2; i++) {
+                PyObject *v = PyObject_GetAttr(scraped, ENGINE_NAMES[i]);
+                rc = v == NULL ? -1 : PyObject_SetAttr(own, ENGINE_NAMES[i], v);
+                Py_XDECREF(v);
+            }
+            if (rc == 0)
+                rc = PyObject_SetAttr(ep, EP_NAMES[2], own);
+        }
+        Py_DECREF(scraped);
+        if (rc < 0)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- rank_by_score: the max-score picker's ranking (router/plugins/pickers.py) -------------- */
+
+typedef struct {
+    double v;
+    Py_ssize_t i;
+} Ranked;
+
+static int
+ranked_cmp(const void *a, const void *b)
+{
+    const Ranked *x = a, *y = b;
+    if (x->v != y->v)
+        return x->v > y->v ? -1 : 1; /* higher score first */
+    return x->i < y->i ? -1 : (x->i > y->i); /* then input order: a stable sort */
+}
+
+static PyObject *
+rank_by_score(PyObject *self, PyObject *args)
+{
+    PyObject *scores, *endpoints;
+    unsigned long long r;
+    if (!PyArg_ParseTuple(args, "O!O!K", &PyDict_Type, &scores, &PyList_Type, &endpoints, &r))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(endpoints);
+    Ranked stack[128];
+    Ranked *rk = n <= 128 ? stack : PyMem_Malloc(sizeof(Ranked) * (size_t)n);
+    PyObject *out = NULL;
+    if (rk == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *wid = slot_get(&ep_cache, PyList_GET_ITEM(endpoints, k), EP_NAMES, 3, 0);
+        if (wid == NULL)
+            goto done;
+        PyObject *s = PyDict_GetItemWithError(scores, wid);
+        Py_DECREF(wid);
+        rk[k].i = k;
+        rk[k].v = 0.0;
+        if ((s == NULL && PyErr_Occurred()) || (s != NULL && as_double(s, &rk[k].v) < 0))
+            goto done;
+    }
+    qsort(rk, (size_t)n, sizeof(Ranked), ranked_cmp);
+    Py_ssize_t ties = 1;
+    while (ties < n && rk[ties].v == rk[0].v)
+        ties++;
+    Py_ssize_t rot = ties > 1 ? (Py_ssize_t)(r % (unsigned long long)ties) : 0;
+    out = PyList_New(n);
+    for (Py_ssize_t k = 0; out && k < n; k++) {
+        Py_ssize_t src = k < ties ? rk[(k + rot) % ties].i : rk[k].i;
+        PyObject *ep = PyList_GET_ITEM(endpoints, src);
+        Py_INCREF(ep);
+        PyList_SET_ITEM(out, k, ep);
+    }
+done:
+    if (rk != stack)
+        PyMem_Free(rk);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_VARARGS | METH_KEYWORDS,
      "chain_hashes(tokens, block_size, seed=1337, parent=None) -> list of chained 64-bit block hashes"},
+    {"merge_loads", merge_loads, METH_VARARGS,
+     "merge_loads(endpoints, own_loads) -> None: ep.load = own_loads[ep.worker_id] with the scraped engine fields"},
+    {"rank_by_score", rank_by_score, METH_VARARGS,
+     "rank_by_score(scores, endpoints, r) -> endpoints by score, highest first; the tied leaders rotated by r % ties"},
     {"kv_scores", kv_scores, METH_VARARGS,
      "kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight) -> {worker_id: score in [0, 1]}"},
     {NULL, NULL, 0, NULL},
@@ -685,6 +912,16 @@ PyMODINIT_FUNC
 PyInit__kvcore(void)
 {
     if (PyType_Ready(&MaskTableType) < 0)
+        return NULL;
+    const char *ep_names[3] = {"worker_id", "block_size", "load"}, *load_names[2] = {"prefill_tokens", "active_blocks"};
+    for (int i = 0; i < 3; i++)
+        if ((EP_NAMES[i] = PyUnicode_InternFromString(ep_names[i])) == NULL)
+            return NULL;
+    for (int i = 0; i < 2; i++)
+        if ((LOAD_NAMES[i] = PyUnicode_InternFromString(load_names[i])) == NULL)
+            return NULL;
+    if ((ENGINE_NAMES[0] = PyUnicode_InternFromString("engine_waiting")) == NULL ||
+        (ENGINE_NAMES[1] = PyUnicode_InternFromString("engine_kv_usage")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from router import _kernels
 from router.hashing import block_hashes
 from router.kv_index import KvIndex
 from router.load import LoadTracker
@@ -77,15 +78,7 @@ class Router:
 
     def _merge_loads(self, endpoints: list[Endpoint]) -> None:
         """Each endpoint's load = the router's own bookkeeping + the engine fields of its last scrape."""
-        peek = self.loads._loads.get  # LoadTracker.peek without the extra call frame (64+ per route)
-        for ep in endpoints:
-            own = peek(ep.worker_id)
-            if own is None or own is ep.load:  # nothing booked yet (own counters 0), or merged already
-                continue
-            scraped = ep.load
-            own.engine_waiting = scraped.engine_waiting
-            own.engine_kv_usage = scraped.engine_kv_usage
-            ep.load = own
+        _kernels.merge_loads(endpoints if type(endpoints) is list else list(endpoints), self.loads._loads)
 
     def _match_prefix(self, request: RouteRequest, block_size: int) -> None:
         if request.block_hashes is None or request.hashed_block_size != block_size:
@@ -94,11 +87,16 @@ class Router:
         request.overlap_blocks = self.policy.index.find_matches(request.block_hashes)
 
     def _score(self, request: RouteRequest, endpoints: list[Endpoint]) -> dict[str, float]:
-        results = [(scorer.score(request, endpoints), weight) for scorer, weight in self.policy.scorers]
-        if len(results) == 1:  # the common case: one scorer with weight 1 whose scores need no clamping
-            raw, weight = results[0]
-            if weight == 1.0 and len(raw) == len(endpoints) and 0.0 <= min(raw.values()) and max(raw.values()) <= 1.0:
+        scorers = self.policy.scorers
+        if len(scorers) == 1:  # the common case: one scorer with weight 1 whose scores need no clamping
+            scorer, weight = scorers[0]
+            raw = scorer.score(request, endpoints)
+            vals = raw.values()
+            if weight == 1.0 and len(raw) == len(endpoints) and min(vals) >= 0.0 and max(vals) <= 1.0:
                 return raw
+            results = [(raw, weight)]
+        else:
+            results = [(scorer.score(request, endpoints), weight) for scorer, weight in scorers]
         total = {ep.worker_id: 0.0 for ep in endpoints}
         for raw, weight in results:
             for wid, s in raw.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 
+from router import _kernels
 from router.types import Endpoint
 
 __all__ = ["MaxScorePicker", "RandomPicker", "RoundRobinPicker", "SoftmaxPicker"]
@@ -32,12 +33,8 @@ class MaxScorePicker:
         self._rng = random.Random(seed)
 
     def rank(self, scores: dict[str, float], endpoints: list[Endpoint]) -> list[Endpoint]:
-        vals, order = _score_order(scores, endpoints)
-        ties = vals.count(vals[order[0]])
-        if ties > 1:  # rotate the tied leaders by a uniform offset: each is first with p = 1/ties
-            r = self._rng.randrange(ties)
-            order[:ties] = order[r:ties] + order[:r]
-        return [endpoints[i] for i in order]
+        # the tied leaders are rotated by a uniform offset (r % ties): each is first with p ~ 1/ties
+        return _kernels.rank_by_score(scores, endpoints if type(endpoints) is list else list(endpoints), self._rng.getrandbits(62))
 
 
 class SoftmaxPicker:

@@ -24,6 +24,8 @@ def impl(request, monkeypatch) -> str:
     monkeypatch.setattr(hashing, "_chain_hashes", hashing.py_chain_hashes)
     monkeypatch.setattr(kv_index, "MaskTable", _kernels.PyMaskTable)
     monkeypatch.setattr(kv_plugin, "kv_scores", _kernels.py_kv_scores)
+    monkeypatch.setattr(_kernels, "rank_by_score", _kernels.py_rank_by_score)
+    monkeypatch.setattr(_kernels, "merge_loads", _kernels.py_merge_loads)
     return "python"
 
 
