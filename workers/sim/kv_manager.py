@@ -79,6 +79,13 @@ class KvBlockManager:
         return hit, len(hit) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------------
+    def can_fit(self, req_id: str, num_tokens: int, new_computed_blocks: Sequence[int] = ()) -> bool:
+        """Would all `num_tokens` of a request fit now? (vLLM 0.32's `scheduler_reserve_full_isl`
+        admission check, applied to waiting requests before their first chunk is allocated.)"""
+        have = len(self.req_blocks.get(req_id, ())) + len(new_computed_blocks)
+        evictable_hits = sum(1 for b in new_computed_blocks if self.ref_cnt[b] == 0)
+        return max(0, -(-num_tokens // self.block_size) - have) + evictable_hits <= len(self._free)
+
     def allocate_slots(
         self,
         req_id: str,

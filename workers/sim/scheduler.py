@@ -10,7 +10,9 @@ One `schedule()` call plans one engine step under a token budget `max_num_batche
 2. Then, only if nothing was preempted this step, waiting requests in FCFS order while budget is
    left and fewer than `max_num_seqs` run: a request starting from zero looks up its prefix-cache hit
    (the hit tokens are skipped), takes `min(remaining, budget)` tokens (chunked prefill) and is
-   admitted if its blocks can be allocated; otherwise the waiting pass stops (head-of-line).
+   admitted only if its *whole* sequence fits in the free blocks now (vLLM 0.32's default
+   `scheduler_reserve_full_isl`) and the chunk's blocks are allocated; otherwise the waiting pass
+   stops (head-of-line).
 3. `num_computed_tokens` advances at schedule time. `update_from_output()` then samples one token for
    every scheduled request that reached the end of its known tokens, applies the stop checks
    (`max_tokens`, `max_model_len`, `stop_token_ids`) and frees finished requests' blocks.
@@ -186,6 +188,8 @@ class Scheduler:
                 else:  # pragma: no cover - waiting requests always restart from zero here
                     hit_tokens = 0
                 n = min(req.num_tokens - hit_tokens, budget)
+                if not kv.can_fit(req.request_id, min(req.num_tokens, self.max_model_len), hit_blocks):
+                    break  # the whole sequence must fit before admission (scheduler_reserve_full_isl)
                 if not kv.allocate_slots(
                     req.request_id, req.all_token_ids, req.block_hashes, hit_tokens, n, hit_blocks, self.max_model_len
                 ):

@@ -146,3 +146,13 @@ def test_decode_blocks_are_hashed_and_stored():
     # 6 prompt + 5 computed outputs = 11 computed tokens -> 2 full blocks (the last sampled token is never computed)
     assert [t for e in evs for t in e.token_ids] == [0, 1, 2, 3, 4, 5, 1000, 1001]
     assert [len(e.block_hashes) for e in evs] == [1, 1]
+
+
+def test_admission_requires_the_whole_prompt_to_fit():
+    # 7 usable blocks; a 20-token prompt (5 blocks) runs; a 16-token prompt (4 blocks) would fit its
+    # first 8-token chunk (2 blocks) but not its whole sequence -> not admitted (reserve_full_isl)
+    s = make(num_blocks=8, max_num_batched_tokens=28)
+    s.add_request(req("a", 20, max_tokens=2))
+    s.add_request(req("b", 16, max_tokens=2, base=100))
+    plan = s.schedule()
+    assert [r.request_id for r, _ in plan.scheduled] == ["a"] and s.waiting[0].request_id == "b"
