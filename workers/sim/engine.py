@@ -101,7 +101,9 @@ class SimEngine:
         *,
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
+        arrival: float | None = None,
     ) -> RequestStream:
+        """Queue a request; `arrival` (engine clock) defaults to now. Never blocks."""
         req = SimRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -112,7 +114,7 @@ class SimEngine:
         )
         idle = not self.scheduler.has_work
         self.scheduler.add_request(req)
-        stream = RequestStream(req, self.clock())
+        stream = RequestStream(req, self.clock() if arrival is None else arrival)
         self.streams[request_id] = stream
         if idle:  # an idle GPU would start this request's step now, not when the loop gets to it
             self._kick = stream.arrival

@@ -8,6 +8,8 @@ Request id: `X-Request-Id` header, else body `request_id`, else 16 random hex; t
 (no hold-back: a stop string split across chunks may already be partly streamed); the text is cut
 at the match, `finish_reason="stop"`, `stop_reason=<the string>`, and the engine request is aborted.
 A client disconnect (streaming or not) aborts the engine request and frees its blocks.
+Arrival is taken when the handler starts: the profile's TTFT is what a client measured against vLLM
+(HTTP, tokenization and hashing included), so the sim's own request processing is not added on top.
 """
 
 from __future__ import annotations
@@ -136,11 +138,12 @@ class _SSEResponse:
 
 
 async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: Any, prompt_ids: list[int], max_tokens: int,
-                    echo_text: str | None) -> Any:
+                    echo_text: str | None, arrival: float) -> Any:
     engine = st.engine
     key = f"{rid}-{next(_counter)}"
     stream: RequestStream = engine.submit(
-        key, prompt_ids, max_tokens, st.text.source(prompt_ids), min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids or ()
+        key, prompt_ids, max_tokens, st.text.source(prompt_ids), min_tokens=body.min_tokens,
+        stop_token_ids=body.stop_token_ids or (), arrival=arrival,
     )
     out = _Output(st.text, body.stop_list(), body.include_stop_str_in_output, body.min_tokens)
     created = int(time.time())
@@ -218,6 +221,7 @@ async def _collect(next_piece: Callable[[], Any]) -> tuple[str | None, Any]:
 async def completions(request: Request) -> Any:
     st: SimState = request.app.state.sim
     st.server_load += 1
+    arrival = st.engine.clock()
     try:
         body = parse_body(await request.body(), CompletionRequest)
         st.check_model(body.model)
@@ -239,7 +243,7 @@ async def completions(request: Request) -> Any:
         max_tokens = _effective_max_tokens(st, body.max_tokens if body.max_tokens is not None else 16, len(ids), body.min_tokens)
         echo = (prompt if isinstance(prompt, str) else st.tokenizer.decode(ids)) if body.echo else None
         rid = "cmpl-" + _base_id(request, body.request_id)
-        return await _generate(st, request, False, rid, body, ids, max_tokens, echo)
+        return await _generate(st, request, False, rid, body, ids, max_tokens, echo, arrival)
     except ApiError as err:
         st.server_load -= 1
         return error_response(err)
@@ -258,6 +262,7 @@ def _messages_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def chat_completions(request: Request) -> Any:
     st: SimState = request.app.state.sim
     st.server_load += 1
+    arrival = st.engine.clock()
     try:
         body = parse_body(await request.body(), ChatCompletionRequest)
         st.check_model(body.model)
@@ -274,7 +279,7 @@ async def chat_completions(request: Request) -> Any:
         _check_prompt_len(st, len(ids), from_text=True)
         max_tokens = _effective_max_tokens(st, requested, len(ids), body.min_tokens)
         rid = "chatcmpl-" + _base_id(request, body.request_id)
-        return await _generate(st, request, True, rid, body, ids, max_tokens, None)
+        return await _generate(st, request, True, rid, body, ids, max_tokens, None, arrival)
     except ApiError as err:
         st.server_load -= 1
         return error_response(err)
