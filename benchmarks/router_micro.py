@@ -3,7 +3,8 @@
 Decision: `Router("kv").route()` for a 4,096-token prompt (block size 16: 256 blocks) over 64
 endpoints whose index holds ~1M blocks (64 workers x 244 cached 1,024-token sequences), with
 background load booked on every worker. Timed end to end through Router.route (hash the prompt,
-match it in the index, cost every endpoint, rank, book), wall clock, for three prompt kinds:
+match it in the index, cost every endpoint, rank, book), wall clock, each request with a fresh
+list of token ids (as the tokenizer hands it over), for three prompt kinds:
     miss      no block of the prompt is cached anywhere
     half      its first 2,048 tokens are cached on 4 workers
     full      all 4,096 tokens are cached on 8 workers (the longest walk)
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from array import array
 import json
 import os
 import platform
@@ -106,7 +108,8 @@ def bench_route(router: Router, endpoints: list[Endpoint], prompts: list[list[in
     for r in range(rounds):
         times = []
         for k in range(n + 100):
-            rq = RouteRequest(request_id=f"q{r}-{k}", model="m", token_ids=prompts[k % len(prompts)])
+            # a fresh list of fresh ints per request, as the tokenizer hands it over (not timed)
+            rq = RouteRequest(request_id=f"q{r}-{k}", model="m", token_ids=prompts[k % len(prompts)].tolist())
             t0 = time.perf_counter_ns()
             router.route(rq, endpoints)
             dt = time.perf_counter_ns() - t0
@@ -124,7 +127,7 @@ def bench_parts(router: Router, endpoints: list[Endpoint], prompts: list[list[in
     scorer = router.policy.scorers[0][0]
     th, tm, ts = [], [], []
     for k in range(n):
-        toks = prompts[k % len(prompts)]
+        toks = prompts[k % len(prompts)].tolist()
         t0 = time.perf_counter_ns()
         h = block_hashes(toks, BS)
         t1 = time.perf_counter_ns()
@@ -192,7 +195,7 @@ def main() -> None:
 
     gc.collect()
     gc.freeze()
-    kinds = {k: prompts(k) for k in ("miss", "half", "full")}
+    kinds = {k: [array("I", p) for p in prompts(k)] for k in ("miss", "half", "full")}
     decision = {k: bench_route(router, endpoints, p, args.queries, args.rounds) for k, p in kinds.items()}
     parts = bench_parts(router, endpoints, kinds["half"], args.queries)
     result = {

@@ -5,7 +5,8 @@
  * (tests check that both give identical values); the Python modules choose this one when it
  * imports. Uses xxHash 0.8.2 (BSD-2, vendored in router/_vendor/xxhash, see NOTICE there).
  *
- *   chain_hashes(tokens, block_size, seed=1337, parent=None) -> list[int]
+ *   chain_hashes(tokens, block_size, seed=1337, parent=None, packed=False) -> list[int]
+ *       (packed=True: bytes of native uint64, for memoryview(...).cast("Q"); no int objects)
  *       local[i] = xxh3_64(LE u32 tokens of full block i, seed)
  *       seq[0]   = local[0]                                    (parent is None)
  *                = xxh3_64(LE u64 parent || LE u64 local[0], 1337)   (parent given)
@@ -106,10 +107,11 @@ chain_step(uint64_t parent, uint64_t local, int big)
 static PyObject *
 chain_hashes(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"tokens", "block_size", "seed", "parent", NULL};
+    static char *kwlist[] = {"tokens", "block_size", "seed", "parent", "packed", NULL};
     PyObject *tokens, *seed_obj = NULL, *parent_obj = Py_None;
     Py_ssize_t block_size;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|OO", kwlist, &tokens, &block_size, &seed_obj, &parent_obj))
+    int packed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|OOp", kwlist, &tokens, &block_size, &seed_obj, &parent_obj, &packed))
         return NULL;
     if (block_size <= 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
@@ -158,7 +160,7 @@ chain_hashes(PyObject *self, PyObject *args, PyObject *kwargs)
     }
 
     Py_ssize_t nblocks = n / block_size;
-    PyObject *out = PyList_New(nblocks);
+    PyObject *out = packed ? PyBytes_FromStringAndSize(NULL, nblocks * 8) : PyList_New(nblocks);
     uint32_t stackbuf[512];
     uint32_t *buf = stackbuf;
     if (out == NULL)
@@ -195,6 +197,10 @@ chain_hashes(PyObject *self, PyObject *args, PyObject *kwargs)
         uint64_t local = XXH3_64bits_withSeed(block, (size_t)block_size * 4, seed);
         uint64_t h = (b == 0 && !has_parent) ? local : chain_step(prev, local, big);
         prev = h;
+        if (packed) {
+            memcpy(PyBytes_AS_STRING(out) + b * 8, &h, 8); /* native byte order, as memoryview.cast("Q") reads it */
+            continue;
+        }
         PyObject *v = PyLong_FromUnsignedLongLong(h);
         if (v == NULL)
             goto fail;
@@ -401,6 +407,70 @@ MaskTable_len(MaskTable *t)
     return t->used;
 }
 
+/* Keys: a list/tuple of ints, or a buffer of native uint64 (what chain_hashes(packed=True) returns,
+ * viewed as memoryview(...).cast("Q")): the router's hot path hands hashes over without int objects. */
+typedef struct {
+    PyObject *seq;
+    Py_buffer view;
+    const uint64_t *raw;
+    PyObject **items;
+    Py_ssize_t n;
+} Keys;
+
+static int
+keys_open(PyObject *obj, Keys *k)
+{
+    memset(k, 0, sizeof *k);
+    if (!PyList_CheckExact(obj) && !PyTuple_CheckExact(obj) && PyObject_CheckBuffer(obj)) {
+        if (PyObject_GetBuffer(obj, &k->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0)
+            return -1;
+        const char *f = k->view.format ? k->view.format : "B";
+        if (*f == '=' || *f == '@')
+            f++;
+        if (k->view.itemsize != 8 || (strcmp(f, "Q") != 0 && strcmp(f, "L") != 0)) {
+            PyBuffer_Release(&k->view);
+            PyErr_SetString(PyExc_TypeError, "a key buffer must hold native uint64 items");
+            return -1;
+        }
+        k->raw = (const uint64_t *)k->view.buf;
+        k->n = k->view.len / 8;
+        return 0;
+    }
+    k->seq = PySequence_Fast(obj, "keys must be a sequence of ints or a uint64 buffer");
+    if (k->seq == NULL)
+        return -1;
+    k->items = PySequence_Fast_ITEMS(k->seq);
+    k->n = PySequence_Fast_GET_SIZE(k->seq);
+    return 0;
+}
+
+static inline int
+keys_get(const Keys *k, Py_ssize_t i, uint64_t *out)
+{
+    if (k->raw != NULL) {
+        *out = k->raw[i];
+        return 0;
+    }
+    return key_of(k->items[i], out);
+}
+
+static PyObject *
+keys_item(const Keys *k, Py_ssize_t i)
+{
+    if (k->raw != NULL)
+        return PyLong_FromUnsignedLongLong(k->raw[i]);
+    Py_INCREF(k->items[i]);
+    return k->items[i];
+}
+
+static void
+keys_close(Keys *k)
+{
+    if (k->raw != NULL)
+        PyBuffer_Release(&k->view);
+    Py_XDECREF(k->seq);
+}
+
 /* add(keys, slot) -> keys that already had the slot's bit */
 static PyObject *
 MaskTable_add(MaskTable *t, PyObject *args)
@@ -414,15 +484,13 @@ MaskTable_add(MaskTable *t, PyObject *args)
         return NULL;
     int w = (int)(slot / 64) + 1;
     uint64_t bit = 1ULL << (slot % 64);
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (seq == NULL)
+    Keys ks;
+    if (keys_open(keys, &ks) < 0)
         return NULL;
     PyObject *had = PyList_New(0);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t k = 0; had && k < n; k++) {
+    for (Py_ssize_t k = 0; had && k < ks.n; k++) {
         uint64_t key;
-        if (key_of(items[k], &key) < 0)
+        if (keys_get(&ks, k, &key) < 0)
             goto fail;
         if ((t->used + 1) * 4 > t->cap * 3 && table_alloc(t, t->cap * 2, t->words) < 0)
             goto fail;
@@ -436,18 +504,21 @@ MaskTable_add(MaskTable *t, PyObject *args)
         else {
             e = ENTRY(t, i);
             if (e[w] & bit) {
-                if (PyList_Append(had, items[k]) < 0)
+                PyObject *item = keys_item(&ks, k);
+                int rc = item == NULL ? -1 : PyList_Append(had, item);
+                Py_XDECREF(item);
+                if (rc < 0)
                     goto fail;
                 continue;
             }
         }
         e[w] |= bit;
     }
-    Py_DECREF(seq);
+    keys_close(&ks);
     return had;
 fail:
     Py_XDECREF(had);
-    Py_DECREF(seq);
+    keys_close(&ks);
     return NULL;
 }
 
@@ -483,15 +554,13 @@ MaskTable_remove(MaskTable *t, PyObject *args)
         Py_RETURN_NONE;
     int w = (int)(slot / 64) + 1;
     uint64_t bit = 1ULL << (slot % 64);
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (seq == NULL)
+    Keys ks;
+    if (keys_open(keys, &ks) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t k = 0; k < n; k++) {
+    for (Py_ssize_t k = 0; k < ks.n; k++) {
         uint64_t key;
-        if (key_of(items[k], &key) < 0) {
-            Py_DECREF(seq);
+        if (keys_get(&ks, k, &key) < 0) {
+            keys_close(&ks);
             return NULL;
         }
         Py_ssize_t i = find(t, key);
@@ -502,7 +571,7 @@ MaskTable_remove(MaskTable *t, PyObject *args)
         if (!entry_used(t, e))
             delete_at(t, i);
     }
-    Py_DECREF(seq);
+    keys_close(&ks);
     Py_RETURN_NONE;
 }
 
@@ -535,20 +604,19 @@ emit(PyObject *out, Py_ssize_t depth, PyObject *mask)
 /* match(keys) -> [(depth, mask)]: see the header comment. The keys are converted first, then
  * probed with the home slot of the key PREFETCH places ahead already requested from memory, so
  * the cache misses of a long walk overlap instead of adding up. */
-#define PREFETCH 16
+#define PREFETCH 32
 
 static PyObject *
 MaskTable_match(MaskTable *t, PyObject *keys)
 {
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (seq == NULL)
+    Keys ks;
+    if (keys_open(keys, &ks) < 0)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = ks.n;
     const int W = t->words;
     uint64_t stack[16], kstack[512];
     uint64_t *active = W <= 8 ? stack : PyMem_Malloc(sizeof(uint64_t) * 2 * W);
-    uint64_t *hk = n <= 512 ? kstack : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
+    uint64_t *hk = ks.raw != NULL ? (uint64_t *)ks.raw : n <= 512 ? kstack : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
     uint64_t *dropped = active ? active + W : NULL;
     PyObject *out = PyList_New(0);
     Py_ssize_t i;
@@ -559,8 +627,8 @@ MaskTable_match(MaskTable *t, PyObject *keys)
     }
     if (n == 0)
         goto done;
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (key_of(items[k], &hk[k]) < 0)
+    for (Py_ssize_t k = 0; ks.raw == NULL && k < n; k++)
+        if (key_of(ks.items[k], &hk[k]) < 0)
             goto fail;
     for (Py_ssize_t k = 1; k < n && k < PREFETCH; k++)
         __builtin_prefetch(ENTRY(t, home(t, hk[k])));
@@ -591,17 +659,17 @@ MaskTable_match(MaskTable *t, PyObject *keys)
 done:
     if (active != stack)
         PyMem_Free(active);
-    if (hk != kstack)
+    if (hk != kstack && hk != ks.raw)
         PyMem_Free(hk);
-    Py_DECREF(seq);
+    keys_close(&ks);
     return out;
 fail:
     if (active != stack)
         PyMem_Free(active);
-    if (hk != kstack)
+    if (hk != kstack && hk != ks.raw)
         PyMem_Free(hk);
     Py_XDECREF(out);
-    Py_DECREF(seq);
+    keys_close(&ks);
     return NULL;
 }
 

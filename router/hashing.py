@@ -28,7 +28,7 @@ import xxhash
 
 from router.errors import BlockHashError
 
-__all__ = ["BASE_SEED", "IMPLEMENTATION", "block_hashes", "lora_seed", "py_chain_hashes"]
+__all__ = ["BASE_SEED", "IMPLEMENTATION", "block_hashes", "block_hashes_view", "lora_seed", "py_chain_hashes"]
 
 log = logging.getLogger("kvyard.router.hashing")
 
@@ -38,7 +38,7 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _pair = struct.Struct("<QQ")
 
 
-def py_chain_hashes(tokens, block_size: int, seed: int = BASE_SEED, parent: int | None = None) -> list[int]:
+def py_chain_hashes(tokens, block_size: int, seed: int = BASE_SEED, parent: int | None = None, packed: bool = False):
     """Pure-Python twin of `_kvcore.chain_hashes` (same values, same errors)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
@@ -59,7 +59,7 @@ def py_chain_hashes(tokens, block_size: int, seed: int = BASE_SEED, parent: int 
         local = _xxh3(raw[off : off + step], seed)
         prev = local if prev is None else _xxh3(_pair.pack(prev, local), BASE_SEED)
         out.append(prev)
-    return out
+    return array("Q", out).tobytes() if packed else out
 
 
 try:
@@ -90,3 +90,15 @@ def block_hashes(tokens, block_size: int, lora_name: str | None = None, parent: 
         return _chain_hashes(tokens, block_size, BASE_SEED if not lora_name else lora_seed(lora_name), parent)
     except (TypeError, OverflowError, ValueError) as exc:
         raise BlockHashError(f"cannot hash token blocks: {exc}") from exc
+
+
+def block_hashes_view(tokens, block_size: int, lora_name: str | None = None) -> memoryview:
+    """The same hashes as a read-only uint64 memoryview (indexing and iteration give ints).
+
+    The router's hot path uses this: no int object per block, and the index reads it directly.
+    """
+    try:
+        raw = _chain_hashes(tokens, block_size, BASE_SEED if not lora_name else lora_seed(lora_name), None, True)
+    except (TypeError, OverflowError, ValueError) as exc:
+        raise BlockHashError(f"cannot hash token blocks: {exc}") from exc
+    return memoryview(raw).cast("Q")

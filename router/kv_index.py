@@ -205,15 +205,19 @@ class KvIndex:
         except BlockHashError as exc:
             raise KvEventRejected(f"BlockStored from {worker_id}: {exc}") from exc
         try:
-            fresh = len(set(engine_hashes)) == n and blocks.keys().isdisjoint(engine_hashes)
+            fresh = blocks.keys().isdisjoint(engine_hashes)
         except TypeError as exc:  # unhashable ids
             raise KvEventRejected(f"BlockStored from {worker_id}: block ids must be ints") from exc
-        if fresh:
+        if fresh:  # the common case: all ids new to this worker
+            before = len(blocks)
             blocks.update(zip(engine_hashes, ours))
-            extra = w.extra
-            for h in self._owners.add(ours, w.slot):
-                extra[h] = extra.get(h, 0) + 1
-            return n
+            if len(blocks) - before == n:
+                extra = w.extra
+                for h in self._owners.add(ours, w.slot):
+                    extra[h] = extra.get(h, 0) + 1
+                return n
+            for e in engine_hashes:  # an id repeated inside the event: undo, take the careful path
+                blocks.pop(e, None)
         for e, h in zip(engine_hashes, ours):  # re-stored ids (replay overlap, full re-reports)
             old = blocks.get(e)
             if old == h:

@@ -4,7 +4,8 @@ route() = merge loads -> match the prompt prefix (policies with a KV index) -> s
 clamped) -> pick (ranking) -> book the load on the best endpoint.
 
 The prefix step hashes the prompt once (router/hashing.py, at the block size of the first
-endpoint; a model's workers share one) into `request.block_hashes` and looks it up in the
+endpoint; a model's workers share one) into `request.block_hashes` (a uint64 memoryview: a
+read-only sequence of ints, with no int object per block) and looks it up in the
 policy's index into `request.overlap_blocks`, which scorers read. Booking charges the endpoint
 with the prompt tokens not cached there and, for workers without KV events, records the blocks
 as predicted cache contents. The frontend reports back with on_first_token() and on_complete()
@@ -17,7 +18,7 @@ from __future__ import annotations
 import time
 
 from router import _kernels
-from router.hashing import block_hashes
+from router.hashing import block_hashes_view
 from router.kv_index import KvIndex
 from router.load import LoadTracker
 from router.policies import Policy, build_policy
@@ -82,7 +83,7 @@ class Router:
 
     def _match_prefix(self, request: RouteRequest, block_size: int) -> None:
         if request.block_hashes is None or request.hashed_block_size != block_size:
-            request.block_hashes = block_hashes(request.token_ids, block_size, request.lora_name)
+            request.block_hashes = block_hashes_view(request.token_ids, block_size, request.lora_name)
             request.hashed_block_size = block_size
         request.overlap_blocks = self.policy.index.find_matches(request.block_hashes)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["RouteRequest", "Endpoint", "EndpointLoad", "RoutingDecision"]
@@ -17,7 +18,7 @@ class RouteRequest:
     max_tokens: int = 0
     lora_name: str | None = None
     # Filled by Router.route when the policy has a KV index (read by scorers, never written by them):
-    block_hashes: list[int] | None = None  # chained hashes of the full blocks (router/hashing.py)
+    block_hashes: Sequence[int] | None = None  # chained hashes of the full blocks (router/hashing.py)
     hashed_block_size: int = 0  # the block size block_hashes were computed for
     overlap_blocks: dict[str, int] = field(default_factory=dict)  # worker_id -> cached prefix blocks
 

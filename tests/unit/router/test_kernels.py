@@ -1,0 +1,81 @@
+"""The C kernels and their pure-Python twins agree, op by op, on random input."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+
+from router import Endpoint, EndpointLoad, _kernels
+from router.hashing import block_hashes, block_hashes_view, py_chain_hashes
+
+C = pytest.mark.skipif(_kernels.IMPLEMENTATION != "c", reason="router._kvcore is not built")
+
+
+def as_view(keys: list[int]) -> memoryview:
+    return memoryview(array("Q", keys)).cast("B").cast("Q")
+
+
+@C
+@pytest.mark.parametrize("workers", [3, 64, 65, 200])
+def test_mask_table_twins_agree(workers):
+    rng = random.Random(workers)
+    for trial in range(150):
+        a, b = _kernels.MaskTable(), _kernels.PyMaskTable()
+        keys = [rng.getrandbits(64) for _ in range(rng.choice([5, 40, 3000]))]
+        for _ in range(30):
+            ks = [rng.choice(keys) for _ in range(rng.randrange(0, 20))]
+            slot = rng.randrange(workers)
+            arg = as_view(ks) if rng.random() < 0.5 else ks  # lists and uint64 buffers alike
+            if rng.random() < 0.6:
+                assert a.add(arg, slot) == b.add(ks, slot)
+            else:
+                a.remove(arg, slot)
+                b.remove(ks, slot)
+            assert len(a) == len(b)
+        for k in keys:
+            assert a.get(k) == b.get(k)
+        for _ in range(10):
+            hs = [rng.choice(keys) for _ in range(rng.randrange(0, 12))]
+            assert a.match(hs) == a.match(as_view(hs)) == b.match(hs)
+
+
+def test_mask_table_grows_and_deletes_without_losing_entries():
+    t = _kernels.MaskTable()
+    keys = list(range(1, 20_000))
+    t.add(keys, 1)
+    t.remove(keys[::2], 1)
+    assert len(t) == len(keys[1::2]) and all(t.get(k) == 2 for k in keys[1::2]) and t.get(16) == 2 and t.get(15) == 0
+    assert t.get(keys[0]) == 0 and t.nbytes > 0
+
+
+@C
+def test_packed_hashes_are_the_same_values():
+    rng = random.Random(3)
+    toks = [rng.randrange(2**32) for _ in range(1000)]
+    want = block_hashes(toks, 16)
+    assert list(block_hashes_view(toks, 16)) == want
+    assert py_chain_hashes(toks, 16, packed=True) == array("Q", want).tobytes()
+    with pytest.raises(TypeError):
+        _kernels.MaskTable().match(memoryview(b"\x00" * 16))  # bytes, not uint64 items
+
+
+@C
+def test_rank_and_merge_twins_agree():
+    rng = random.Random(5)
+    for _ in range(300):
+        eps = [Endpoint(worker_id=f"w{i}", url="u", model="m") for i in range(rng.randrange(1, 70))]
+        scores = {ep.worker_id: rng.choice([0.0, 0.5, 1.0, rng.random()]) for ep in eps if rng.random() < 0.9}
+        r = rng.getrandbits(62)
+        assert _kernels.rank_by_score(scores, eps, r) == _kernels.py_rank_by_score(scores, eps, r)
+        own = {ep.worker_id: EndpointLoad(inflight_requests=i) for i, ep in enumerate(eps) if rng.random() < 0.5}
+        for ep in eps:
+            ep.load = EndpointLoad(engine_waiting=rng.random(), engine_kv_usage=rng.random())
+        twins = [[Endpoint(ep.worker_id, ep.url, ep.model, load=EndpointLoad(ep.load.inflight_requests, 0, 0, ep.load.engine_waiting,
+                                                                                 ep.load.engine_kv_usage)) for ep in eps] for _ in range(2)]
+        owns = [{k: EndpointLoad(v.inflight_requests) for k, v in own.items()} for _ in range(2)]
+        _kernels.merge_loads(twins[0], owns[0])
+        _kernels.py_merge_loads(twins[1], owns[1])
+        assert [ep.load for ep in twins[0]] == [ep.load for ep in twins[1]]
+        assert all(ep.load is owns[0][ep.worker_id] for ep in twins[0] if ep.worker_id in owns[0])
