@@ -12,8 +12,9 @@ plus the parts alone (hash, match, score) for the `half` prompts. Each run is pr
 warm-up; GC stays on (setup objects frozen, as a long-running frontend's would be old).
 
 Ingest: BlockStored events of 16 blocks (256 tokens) into the index until 1M blocks (blocks/s),
-BlockRemoved of a quarter of them, and decode + apply of the same events from vLLM's and
-SGLang's msgpack wire bytes.
+BlockRemoved of a quarter of them, the apply rate for 1, 16 and 128 blocks per event, and
+decode + apply of the same events from vLLM's and SGLang's msgpack wire bytes (the decoders are
+the backends' own: workers/vllm, workers/sglang).
 
     .venv/bin/python benchmarks/router_micro.py [--queries 2000] [--rounds 5] [--cpu 0]
 
@@ -38,7 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from router import Endpoint, KvIndex, RouteRequest, Router, block_hashes, build_policy  # noqa: E402
+from router import Endpoint, KvIndex, RouteRequest, Router, build_policy  # noqa: E402
+from router.hashing import block_hashes_view  # noqa: E402
 from router import _kernels, hashing  # noqa: E402
 from workers.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from workers.sglang import kv_events as sglang  # noqa: E402
@@ -101,6 +103,25 @@ def bench_ingest_wire(events: list, n_events: int) -> dict:
     return out
 
 
+def bench_event_sizes(rng: random.Random, total_blocks: int = 200_000) -> dict:
+    """Index apply rate (blocks/s) by blocks per BlockStored event: 1 is a decode step's new block,
+    128+ a long prefill's; per-event overhead is what separates them."""
+    out = {}
+    for per in (1, 16, 128):
+        events, eid = [], 0
+        for i in range(total_blocks // per):
+            toks = [rng.randrange(50_000) for _ in range(per * BS)]
+            events.append((f"w{i % WORKERS}", BlockStored(list(range(eid, eid + per)), None, toks, BS)))
+            eid += per
+        ix = KvIndex()
+        gc.collect()
+        t0 = time.perf_counter()
+        for wid, ev in events:
+            ix.apply(wid, ev)
+        out[f"store_blocks_per_s_{per}_per_event"] = round(per * len(events) / (time.perf_counter() - t0))
+    return out
+
+
 def bench_route(router: Router, endpoints: list[Endpoint], prompts: list[list[int]], n: int, rounds: int) -> dict:
     """`rounds` rounds of n decisions: all samples, and the quietest round (lowest p50) on its own,
     since other processes on this shared 2-core machine come and go."""
@@ -129,7 +150,7 @@ def bench_parts(router: Router, endpoints: list[Endpoint], prompts: list[list[in
     for k in range(n):
         toks = prompts[k % len(prompts)].tolist()
         t0 = time.perf_counter_ns()
-        h = block_hashes(toks, BS)
+        h = block_hashes_view(toks, BS)  # what Router.route uses
         t1 = time.perf_counter_ns()
         ov = ix.find_matches(h)
         t2 = time.perf_counter_ns()
@@ -166,6 +187,7 @@ def main() -> None:
     for wid, ev in events[: len(events) // 4]:  # back to ~1M blocks
         ix.apply(wid, ev)
     ingest.update(bench_ingest_wire(events, 8000))
+    ingest.update(bench_event_sizes(rng))
 
     router = Router(build_policy("kv", index=ix, seed=7))
     endpoints = [Endpoint(worker_id=f"w{w}", url=f"http://127.0.0.1:{8100 + w}", model="m", block_size=BS) for w in range(WORKERS)]

@@ -12,7 +12,9 @@ Wire (SGLang 0.5.23, `srt/disaggregation/kv_events.py`; reference/engines.md §4
 Hashes are SHA-256 prefixes sent as *signed* int64; they are normalised to unsigned 64-bit ids
 (h & (2^64 - 1)) so stored, parent and removed ids agree. Medium is GPU, CPU_PINNED, DISK or
 EXTERNAL. Unknown fields and unknown event types are ignored; anything malformed raises
-KvEventDecodeError. Token ids are checked when the router hashes them (router/hashing.py).
+KvEventDecodeError. The usual shape is decoded and checked by a typed msgspec decoder in C;
+anything else (arrays, unknown types, odd values) by a tolerant generic path. Token ids are
+checked when the router hashes them (router/hashing.py).
 """
 
 from __future__ import annotations
@@ -80,8 +82,59 @@ def _event(raw: Any) -> KvEvent | None:
     return None
 
 
+class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+    dp_rank: int | None = None
+
+
+_typed = msgspec.msgpack.Decoder(_Batch)
+
+
+def _fast(payload: bytes, seq: int) -> KvEventBatch | None:
+    """The common shape (0.5.23 maps, known types) decoded and type-checked in C; None otherwise."""
+    try:
+        b = _typed.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError):
+        return None
+    out: list[KvEvent] = []
+    for e in b.events:
+        if type(e) is _Stored:
+            if e.block_size <= 0:
+                return None
+            p = e.parent_block_hash
+            out.append(BlockStored([h & _U64 for h in e.block_hashes], None if p is None else p & _U64, e.token_ids, e.block_size,
+                                   lora_name=e.lora_name, medium=e.medium))
+        elif type(e) is _Removed:
+            out.append(BlockRemoved([h & _U64 for h in e.block_hashes], medium=e.medium))
+        else:
+            out.append(AllBlocksCleared())
+    return KvEventBatch(seq=seq, ts=b.ts, events=out, dp_rank=b.dp_rank)
+
+
 def decode_payload(payload: bytes, seq: int = 0) -> KvEventBatch:
     """One [ts, events, attn_dp_rank] payload. Raises KvEventDecodeError on anything malformed."""
+    fast = _fast(payload, seq)
+    if fast is not None:
+        return fast
     try:
         raw = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
