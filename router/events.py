@@ -187,7 +187,8 @@ class _Source:
                 items = codec.decode_events(resp.content)
             except httpx.HTTPError as exc:
                 self.complain(f"cannot poll KV events at {url}: {exc}")
-                items = []
+                await asyncio.sleep(max(1.0, self.owner.poll_interval_s))  # the engine is down or restarting
+                continue
             for item in items:
                 if isinstance(item, KvEventDecodeError):
                     self.complain(f"skipped an undecodable KV event: {item}")

@@ -103,8 +103,8 @@ class KvIndex:
         if approximate and w.predicted is None:
             w.predicted = Predicted(self.approx_ttl_s)
             log.warning(
-                "worker %s publishes no KV events: routing to it on PREDICTED cache contents only "
-                "(approximate mode, TTL %.0f s); enable the engine's KV events for exact prefix routing",
+                "worker %s: no KV events (none published, or none subscribed to): routing to it on PREDICTED "
+                "cache contents only (approximate mode, TTL %.0f s); enable the engine's KV events for exact prefix routing",
                 worker_id, self.approx_ttl_s,
             )
         elif not approximate:
