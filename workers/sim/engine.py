@@ -29,6 +29,7 @@ __all__ = ["RequestStream", "SimEngine"]
 
 log = logging.getLogger(__name__)
 COARSE_S = 0.0015  # below this, finish a step's wait with a precise blocking sleep
+BEHIND_S = 0.001  # more than this behind the profile clock: run steps back to back (tokens coalesce)
 MAX_NO_YIELD_S = 0.005  # when behind schedule, still let HTTP handlers run at least this often
 MAX_OVERSHOOT_S = 0.0003  # cap on the learned sleep-lateness compensation
 
@@ -88,8 +89,11 @@ class SimEngine:
         self.steps = 0
         self.busy_time = 0.0
         self._last_yield = 0.0
+        self._first_tokens = False  # the last step produced some request's first token
         self._kick: float | None = None  # arrival of the request that woke the idle engine
         self._overshoot = 0.0  # learned lateness of time.sleep, subtracted from the next sleeps
+        self.dropped_time = 0.0  # profile time lost to CPU overload (re-anchoring), seconds wall
+        self._last_lag_warning = float("-inf")
 
     # ---- intake --------------------------------------------------------------------------------
     def submit(
@@ -142,6 +146,8 @@ class SimEngine:
                 continue
             now = self.clock()
             start = now if next_start is None else max(next_start, now - self.max_lag_s)
+            if next_start is not None and start > next_start:
+                self._fell_behind(now - next_start)
             plan = sched.schedule()
             if not plan:  # nothing fits right now (safety net; startup checks make this rare)
                 await asyncio.sleep(0.005)
@@ -162,9 +168,10 @@ class SimEngine:
     async def _sleep_until(self, deadline: float) -> None:
         """Yield once (HTTP handlers write their chunks), then sleep precisely until `deadline`.
 
-        When the loop is behind schedule it runs steps back to back and yields only every
-        `MAX_NO_YIELD_S`, so streams pick up several tokens per chunk (as vLLM's API server coalesces
-        outputs under load) instead of the CPU going to one tiny write per token per step.
+        When the loop is more than `BEHIND_S` behind schedule it runs steps back to back and yields
+        only every `MAX_NO_YIELD_S`, so streams pick up several tokens per chunk (as vLLM's API server coalesces
+        outputs under load) instead of the CPU going to one tiny write per token per step. A step that
+        produced some request's first token is always followed by a yield (TTFT is never coalesced).
 
         asyncio timers wake up to ~1 ms late (epoll timeouts are rounded up to whole milliseconds),
         which would stretch every sub-millisecond step at high speed-ups; so the loop sleeps on
@@ -172,7 +179,8 @@ class SimEngine:
         aimed early by the lateness it has observed (an EWMA, at most `MAX_OVERSHOOT_S`).
         """
         now = self.clock()
-        if deadline > now or now - self._last_yield > MAX_NO_YIELD_S:
+        if self._first_tokens or deadline > now - BEHIND_S or now - self._last_yield > MAX_NO_YIELD_S:
+            self._first_tokens = False
             await asyncio.sleep(0)
             self._last_yield = now = self.clock()
         delay = deadline - now
@@ -183,6 +191,17 @@ class SimEngine:
             time.sleep(delay - self._overshoot)
             late = self.clock() - deadline  # learn the OS's wake-up lateness (EWMA), aim that much early
             self._overshoot = min(MAX_OVERSHOOT_S, max(0.0, self._overshoot + 0.1 * late))
+
+    def _fell_behind(self, lag: float) -> None:
+        """The CPU cannot keep up with the profile clock: time is being dropped. Warn (rate-limited)."""
+        self.dropped_time += lag - self.max_lag_s
+        now = self.clock()
+        if now - self._last_lag_warning > 30.0:
+            self._last_lag_warning = now
+            log.warning(
+                "sim engine is %.0f ms behind its profile clock (%.2f s dropped so far): the CPU is overloaded; "
+                "lower --speedup or the load", lag * 1000, self.dropped_time,
+            )
 
     def _finish_step(self, plan: StepPlan, now: float) -> None:
         streams = self.streams
@@ -197,6 +216,7 @@ class SimEngine:
             s.tokens.extend(toks)
             if s.first_token is None:
                 s.first_token = now
+                self._first_tokens = True  # a first token always goes out in its own chunk
                 if m is not None:
                     m.ttft.observe(now - s.arrival)
                     m.on_first_token(req.num_prompt_tokens, max(req.num_cached_tokens, 0))
