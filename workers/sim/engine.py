@@ -29,7 +29,7 @@ __all__ = ["RequestStream", "SimEngine"]
 
 log = logging.getLogger(__name__)
 COARSE_S = 0.0015  # below this, finish a step's wait with a precise blocking sleep
-BEHIND_S = 0.001  # more than this behind the profile clock: run steps back to back (tokens coalesce)
+BEHIND_S = 0.0  # more than this behind the profile clock: run steps back to back (tokens coalesce)
 MAX_NO_YIELD_S = 0.005  # when behind schedule, still let HTTP handlers run at least this often
 MAX_OVERSHOOT_S = 0.0003  # cap on the learned sleep-lateness compensation
 
