@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from orchestrator.tokenizer import load_tokenizer
 from router import Endpoint, EndpointLoad, Router
 from workers.discovery import Discovery, DiscoveryError, files_digest
 from workers.registry import get_backend
@@ -103,7 +104,7 @@ class WorkerPool:
     async def _resolve_tokenizer(self, info: WorkerInfo) -> None:
         """The worker's tokenizer path if readable here, else the files it published to discovery."""
         if info.tokenizer and (Path(info.tokenizer) / "tokenizer.json").is_file():
-            self.tokenizer_dirs[info.model] = info.tokenizer
+            await self._preload(info.model, info.tokenizer)
             return
         try:
             files = await self.discovery.fetch_files(info.model)
@@ -116,8 +117,18 @@ class WorkerPool:
         for name, data in files.items():
             if "/" not in name and not name.startswith("."):
                 (folder / name).write_bytes(data)
-        self.tokenizer_dirs[info.model] = str(folder)
         log.info("tokenizer of %s fetched from discovery into %s", info.model, folder)
+        await self._preload(info.model, str(folder))
+
+    async def _preload(self, model: str, folder: str) -> None:
+        """Load the tokenizer off the event loop (a large vocabulary takes a second or more to parse);
+        requests use it only once it is ready, so none ever waits on the load."""
+        try:
+            await asyncio.to_thread(load_tokenizer, folder)
+        except Exception as exc:  # tokenizers raises plain Exception on bad files; a bad upload must not stop refresh
+            log.warning("cannot load the tokenizer of %s from %s: %s", model, folder, exc)
+            return
+        self.tokenizer_dirs[model] = folder
 
     async def _scrape_one(self, live: LiveWorker) -> None:
         try:

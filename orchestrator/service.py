@@ -20,11 +20,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import httpx
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from orchestrator.config import FrontendConfig
+from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
 from orchestrator.errors import (
     BadRequestError,
     ContextLengthError,
@@ -51,7 +51,7 @@ class Dispatched:
 
     rreq: RouteRequest
     endpoint: Endpoint
-    resp: httpx.Response
+    resp: EngineResponse
     stream: bool
     include_usage: bool
     t0: float
@@ -69,13 +69,10 @@ class InferenceService:
         self.pool = pool
         self.router = router
         self.metrics = metrics
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.stream_idle_timeout_s, write=30.0, pool=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=2048),
-        )
+        self.client = EngineClient(cfg.connect_timeout_s)
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.client.close()
 
     # ---- request admission -------------------------------------------------------------------
 
@@ -188,25 +185,17 @@ class InferenceService:
     async def _send(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes, stream: bool):
         """POST to the ranked engines in turn until one answers below 500."""
         last_error = "no engine answered"
-        timeout = httpx.Timeout(
-            connect=self.cfg.connect_timeout_s,
-            read=self.cfg.stream_idle_timeout_s if stream else self.cfg.first_byte_timeout_s,
-            write=30.0,
-            pool=self.cfg.connect_timeout_s,
-        )
+        read_timeout = self.cfg.stream_idle_timeout_s if stream else self.cfg.first_byte_timeout_s
+        headers = {"content-type": "application/json", "x-request-id": rreq.request_id}
         for attempt, ep in enumerate(ranked[: self.cfg.max_attempts]):
             if attempt:
                 self.metrics.retries.labels(rreq.model).inc()
                 self.router.on_complete(rreq.request_id)
                 self.router.book(rreq, ep)
-            http_req = self.client.build_request(
-                "POST", ep.url + path, content=payload, timeout=timeout,
-                headers={"content-type": "application/json", "x-request-id": rreq.request_id},
-            )
             try:
-                resp = await self.client.send(http_req, stream=True)
-            except httpx.HTTPError as exc:
-                last_error = f"{ep.worker_id}: {type(exc).__name__}: {exc}"
+                resp = await self.client.post(ep.url + path, payload, headers, read_timeout)
+            except EngineUnreachableError as exc:
+                last_error = f"{ep.worker_id}: {exc}"
                 log.warning("engine %s failed before answering %s: %s", ep.worker_id, rreq.request_id, last_error)
                 continue
             if resp.status_code >= 500:
@@ -231,10 +220,10 @@ class InferenceService:
         try:
             async for out in relay_sse(resp.aiter_raw(), stats, forward_usage, first_token, itl.observe):
                 yield out
-        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+        except EngineStreamError as exc:
             status = "engine_error"
-            log.warning("stream %s broke: %s: %s", rreq.request_id, type(exc).__name__, exc)
-            yield sse_error_event(f"the engine stream failed: {type(exc).__name__}")
+            log.warning("stream %s broke: %s", rreq.request_id, exc)
+            yield sse_error_event(f"the engine stream failed: {exc}")
         except BaseException:  # client went away (CancelledError / GeneratorExit): abort upstream
             status = "cancelled"
             raise
@@ -264,7 +253,7 @@ class InferenceService:
         status = "ok"
         try:
             content = await resp.aread()
-        except httpx.HTTPError as exc:
+        except EngineStreamError as exc:
             status = "engine_error"
             raise ServiceUnavailableError(f"the engine failed mid-response: {type(exc).__name__}", retry_after=self.cfg.retry_after_s) from exc
         except BaseException:
