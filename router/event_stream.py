@@ -1,7 +1,9 @@
 """One worker's KV-event sequence: ordering, gaps, replay and restarts. Pure and synchronous.
 
-The I/O loop (router/events.py) feeds every batch it receives to `on_live(seq, batch)`; batch is
-None when the payload could not be decoded (its sequence number still counts). Rules:
+The I/O loop (router/events.py) first replays the engine's whole buffer into `on_bootstrap`
+(so a new or restarted frontend knows the worker's cache at once), then feeds every batch it
+receives to `on_live(seq, batch)`; batch is None when the payload could not be decoded (its
+sequence number still counts). Rules:
 
     first batch, seq 0                 -> apply
     first batch, seq > 0               -> Replay(0, seq): rebuild from the engine's buffer
@@ -85,6 +87,12 @@ class EventStream:
             return None
         return self._replay(self.last + 1, seq)
 
+    def on_bootstrap(self, batches: list[tuple[int, KvEventBatch | None]]) -> None:
+        """The engine's buffer, replayed from 0 before any live batch: a (re)started frontend
+        rebuilds the worker's entries at once instead of waiting for the engine's next event."""
+        if self.last is None and batches:
+            self._apply_run(batches)
+
     def on_replay(self, replay: Replay, batches: list[tuple[int, KvEventBatch | None]] | None, pending: KvEventBatch | None) -> None:
         batches = batches or []
         if not batches or batches[0][0] != replay.start:
@@ -94,16 +102,19 @@ class EventStream:
                             self.worker_id, replay.start, got)
                 self._purge()
             self.last = None
+        self._apply_run(batches)
+        if self.last is None or replay.upto > self.last:
+            if self.last is not None and replay.upto != self.last + 1:
+                self._purge()
+            self._apply(replay.upto, pending)
+
+    def _apply_run(self, batches: list[tuple[int, KvEventBatch | None]]) -> None:
         for seq, batch in batches:
             if self.last is None or seq == self.last + 1:
                 self._apply(seq, batch)
             elif seq > self.last + 1:  # a hole inside the replay itself
                 self._purge()
                 self._apply(seq, batch)
-        if self.last is None or replay.upto > self.last:
-            if self.last is not None and replay.upto != self.last + 1:
-                self._purge()
-            self._apply(replay.upto, pending)
 
     def _replay(self, start: int, upto: int) -> Replay:
         self.stats.replays += 1

@@ -8,7 +8,8 @@
 Per worker, by event format (WorkerInfo.labels["kv_events_format"], else its backend; sim -> vllm):
     vllm, sglang  SUB socket on kv_events_endpoint (topic filter kv_events_topic); frames
                   [topic, seq (8 bytes BE), payload] decoded by workers.<format>.kv_events.decode_payload;
-                  gaps replayed from kv_replay_endpoint with a DEALER: send [b"", start_seq], read
+                  on start the engine's buffer is replayed from 0 (the index is rebuilt at once), and
+                  gaps are replayed from kv_replay_endpoint with a DEALER: send [b"", start_seq], read
                   [b"", topic, seq, payload] until seq == -1 (router/event_stream.py decides).
     trtllm        POST {url}/kv_cache_events every poll_interval_s (drains the engine's queue: one
                   frontend per engine); event_id gaps purge the worker (no replay exists).
@@ -119,6 +120,12 @@ class _Source:
         sub.connect(self.info.kv_events_endpoint)
         raw = zmq.Socket.shadow(sub.underlying)  # same socket, synchronous: drains without awaiting
         try:
+            if self.stream.replayable:  # rebuild from the engine's buffer now; live batches queue meanwhile
+                batches = await self._replay(0)
+                if batches:
+                    rejected = self.stream.stats.rejected
+                    self.stream.on_bootstrap(batches)
+                    self._report(rejected)
             while True:
                 frames: list[bytes] | None = await sub.recv_multipart()
                 handled = 0
@@ -288,4 +295,4 @@ class KvEventIngestor:
         if self._own_http:
             await self.http.aclose()
         if self._own_ctx:
-            self.ctx.term()
+            self.ctx.destroy(linger=0)

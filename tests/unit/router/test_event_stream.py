@@ -72,5 +72,14 @@ def test_after_a_purge_new_roots_index_again():
     assert ix.find_matches(H) == {"w": 1}
 
 
+def test_bootstrap_then_live():
+    ix = KvIndex()
+    s = EventStream("w", ix, replayable=True)
+    s.on_bootstrap([(q, b(q)) for q in range(4)])
+    assert s.on_live(2, b(2)) is None and s.on_live(4, b(4)) is None  # a duplicate, then the next one
+    assert ix.find_matches(H) == {"w": 5} and s.stats.restarts == 0
+    assert s.on_live(6, b(6)) == Replay(5, 6)
+
+
 def test_replay_type():
     assert Replay(2, 5) == Replay(start=2, upto=5)

@@ -81,7 +81,7 @@ class FakeEngine:
 async def ctx():
     c = zmq.asyncio.Context()
     yield c
-    c.term()
+    c.destroy(linger=0)
 
 
 async def test_golden_vllm_stream_with_dropped_batches_is_replayed(impl, ctx, tmp_path, kv_golden):
@@ -96,11 +96,28 @@ async def test_golden_vllm_stream_with_dropped_batches_is_replayed(impl, ctx, tm
         await eng.publish(struct.unpack(">Q", seq)[0], payload, live=i not in (2, 3))  # two batches lost on the wire
         ref.apply_batch("v", decode_payload(payload).events)
     await until(lambda: ing.stats()["v"]["last_seq"] == len(msgs) - 1)
-    assert eng.requests == [2] and ing.stats()["v"]["purges"] == 0
+    assert eng.requests == [0, 2] and ing.stats()["v"]["purges"] == 0  # bootstrap from 0, then the gap
     for step in kv_golden["steps"]:
         h = block_hashes(step["prompt_token_ids"], 32)
         assert ix.find_matches(h) == ref.find_matches(h)
     assert_consistent(ix)
+    await ing.close()
+    eng.close()
+
+
+async def test_a_new_frontend_rebuilds_from_the_engines_buffer_at_once(impl, ctx, tmp_path, kv_golden):
+    """The engine is idle (no live event will come): the index is rebuilt by the start-up replay."""
+    wi = info("v", tmp_path)
+    eng = FakeEngine(ctx, wi)
+    msgs = [frames(m) for step in kv_golden["steps"] for m in step["messages"]]
+    for _topic, seq, payload in msgs:
+        await eng.publish(struct.unpack(">Q", seq)[0], payload, live=False)  # published before we were there
+    ix = KvIndex()
+    ing = KvEventIngestor(ix, ctx=ctx)
+    ing.sync([wi])
+    await until(lambda: ing.stats()["v"]["last_seq"] == len(msgs) - 1)
+    first = kv_golden["steps"][0]["prompt_token_ids"]
+    assert ix.find_matches(block_hashes(first, 32)) == {"v": 2} and eng.requests == [0]
     await ing.close()
     eng.close()
 
