@@ -52,4 +52,5 @@ class KvCostScorer:
 
     def score(self, request: RouteRequest, endpoints: list[Endpoint]) -> dict[str, float]:
         # C kernel (or its Python twin in router/_kernels.py): kv_logits, then the normalisation above
-        return kv_scores(endpoints, request.overlap_blocks, request.isl, request.hashed_block_size, self.overlap_weight)
+        eps = endpoints if type(endpoints) is list else list(endpoints)
+        return kv_scores(eps, request.overlap_blocks, request.isl, request.hashed_block_size, self.overlap_weight)
