@@ -3,9 +3,11 @@ disaggregated Llama-3.1-8B-FP8 deployment on H200 (the bundled profile), on two 
 
     python -m benchmarks.planner_sim [--workload daily|mooncake|all] [--minutes 240] [--out benchmarks/results]
 
-Loads (request bodies — ISL, OSL, prefix hash_ids — are the Mooncake conversation trace's, in order):
+Loads (request bodies — ISL, OSL, and the prefix hits their hash_ids give in a 512-token-block LRU
+of --cache-blocks — are the Mooncake conversation trace's):
     daily     a compressed day of `--minutes`: rate(t) = trough + (peak − trough)·(1 − cos 2πt/T)/2,
-              Poisson arrivals, plus 3 bursts of ×1.6 for 3 min each at random times (seeded)
+              Poisson arrivals, plus 3 bursts of ×1.6 for 3 min each at random times (seeded);
+              bodies drawn at random from the trace, prefix hits as in a warm replay of it
     mooncake  the trace's own arrival times divided by `--mooncake-speed` (5: ~17 req/s for ~12 min)
 Policies: planner (kvyard), static at the oracle's peak, keda (queue threshold 5), oracle (see
 planner_policies.py). SLA: a minute meets it when its TTFT p90 <= --ttft and its token-weighted ITL p90
@@ -36,13 +38,19 @@ def load_trace(path: Path = TRACE) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _bodies(rows: list[dict], n: int, cache_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    picked = [rows[i % len(rows)] for i in range(n)]
-    # repeats of the trace get fresh hash ids, so a second lap is not a free prefix hit
-    hashes = [[h + (i // len(rows)) * 10_000_000 for h in r["hash_ids"]] for i, r in enumerate(picked)]
-    isl = np.array([r["input_length"] for r in picked], dtype=float)
-    osl = np.array([max(r["output_length"], 1) for r in picked], dtype=float)
-    return isl, osl, cached_tokens(isl.astype(int).tolist(), hashes, cache_blocks)
+def _bodies(rows: list[dict], cache_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ISL, OSL and prefix-hit tokens of the trace's requests, in trace order."""
+    isl = np.array([r["input_length"] for r in rows], dtype=float)
+    osl = np.array([max(r["output_length"], 1) for r in rows], dtype=float)
+    return isl, osl, cached_tokens(isl.astype(int).tolist(), [r["hash_ids"] for r in rows], cache_blocks)
+
+
+def _warm_bodies(rows: list[dict], cache_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Like _bodies, but each request's prefix hit is taken from a second replay of the trace behind
+    the first (a warm cache), so no request carries the recording's cold start."""
+    isl, osl, cached = _bodies(rows + rows, cache_blocks)
+    n = len(rows)
+    return isl[n:], osl[n:], cached[n:]
 
 
 def daily_load(rows: list[dict], minutes: float, peak: float, trough: float, seed: int, cache_blocks: int) -> Requests:
@@ -62,13 +70,14 @@ def daily_load(rows: list[dict], minutes: float, peak: float, trough: float, see
         t += rng.exponential(1.0 / top)
         if t < T and rng.uniform() < rate(np.array([t]))[0] / top:
             out.append(t)
-    isl, osl, cached = _bodies(rows, len(out), cache_blocks)
-    return Requests(np.array(out), isl, osl, cached)
+    isl, osl, cached = _warm_bodies(rows, cache_blocks)
+    pick = rng.integers(0, len(rows), size=len(out))  # bodies drawn at random: no lap of the trace repeats
+    return Requests(np.array(out), isl[pick], osl[pick], cached[pick])
 
 
 def mooncake_load(rows: list[dict], speed: float, cache_blocks: int) -> Requests:
     t = np.array([r["timestamp"] for r in rows], dtype=float) / 1000.0 / speed
-    isl, osl, cached = _bodies(rows, len(rows), cache_blocks)
+    isl, osl, cached = _bodies(rows, cache_blocks)
     order = np.argsort(t, kind="stable")
     return Requests(t[order], isl[order], osl[order], cached[order])
 
@@ -82,8 +91,9 @@ async def run_policy(name: str, reqs: Requests, perf, args, schedule: list[tuple
     per_min = int(round(60.0 / cfg.slice_s))
     policy = None
     if name == "planner":
-        pcfg = PlannerConfig(mode="hybrid", predictor=args.predictor, interval_s=args.interval, lookahead_s=args.startup,
-                             scale_down_cooldown_s=args.cooldown, stale_after_s=30, max_step=args.max_step)
+        pcfg = PlannerConfig(predictor=args.predictor, interval_s=args.interval, window_s=args.window, lookahead_s=args.startup,
+                             scale_down_cooldown_s=args.cooldown, stale_after_s=30, max_step=args.max_step,
+                             demand_z=args.demand_z, max_headroom=args.max_headroom, mode=args.mode)
         targets = {"pools": [{"model": "llama-3.1-8b", "role": role, "ttft_p90_ms": args.ttft, "itl_p90_ms": args.itl,
                               "min_replicas": 1, "max_replicas": args.pmax} for role in ("prefill", "decode")]}
         policy = PlannerPolicy(sim, perf, pcfg, targets)
@@ -160,6 +170,13 @@ async def bench(workload: str, rows: list[dict], perf, args) -> dict:
     print(f"[{workload}] {len(reqs)} requests over {reqs.t[-1] / 60:.1f} min, mean {len(reqs) / reqs.t[-1]:.1f} req/s, "
           f"prefix hit {reqs.cached.sum() / reqs.isl.sum():.1%}", flush=True)
     results: dict[str, dict] = {}
+    if args.only:
+        for name in args.only.split(","):
+            start = tuple(args.start) if args.start else (1, 1)
+            results[name] = r = await run_policy(name, reqs, perf, args, start=start)
+            print(f"[{workload}] {name:8s} attainment {r['attainment']:6.1%} ({r['minutes_met']}/{r['minutes']} min)  "
+                  f"GPU-s {r['gpu_seconds']:9.0f}  ({r['wall_s']} s)", flush=True)
+        return {"requests": len(reqs), "policies": results}
     need = await run_policy("oracle-search", reqs, perf, args)  # pass 1: the smallest counts, minute by minute
     schedule = [(r["prefill"], r["decode"]) for r in need["per_minute"]]
     results["oracle"] = await run_policy("oracle", reqs, perf, args, schedule=schedule, start=schedule[0])
@@ -190,15 +207,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--itl", type=float, default=25.0, help="ITL p90 target, ms")
     ap.add_argument("--startup", type=float, default=60.0, help="replica start-up time, s")
     ap.add_argument("--slice", type=float, default=0.25)
-    ap.add_argument("--interval", type=float, default=30.0, help="planner tick, s")
+    ap.add_argument("--interval", type=float, default=15.0, help="planner tick, s")
+    ap.add_argument("--window", type=float, default=None, help="planner telemetry window, s (default: the tick)")
     ap.add_argument("--cooldown", type=float, default=180.0)
     ap.add_argument("--max-step", type=int, default=8)
     ap.add_argument("--predictor", default="kalman")
+    ap.add_argument("--mode", default="hybrid", choices=["sla", "load", "hybrid"])
+    ap.add_argument("--demand-z", type=float, default=1.28)
+    ap.add_argument("--max-headroom", type=float, default=1.5)
     ap.add_argument("--cache-blocks", type=int, default=8 * 1845, help="prefix-cache LRU, 512-token blocks")
     ap.add_argument("--pmax", type=int, default=32)
     ap.add_argument("--dmax", type=int, default=32)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--only", default="", help="comma-separated policies to run alone (tuning; no oracle, no plot)")
+    ap.add_argument("--start", type=int, nargs=2, default=None, help="with --only: initial prefill decode replicas")
     args = ap.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     perf = load_perf_model(args.profile)

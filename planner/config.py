@@ -3,7 +3,10 @@
 Defaults follow Dynamo's planner where it has one (reference/dynamo.md §4): TTFT 500 ms and ITL
 50 ms when a pool's targets leave them out, min 1 replica. Ours: tick every 60 s over a 60 s
 telemetry window, at most 4 replicas added or removed per pool per tick, no scale-down within 300 s
-of the pool's last change, telemetry older than 30 s (or absent) holds the pool still.
+of the pool's last change and never below the highest count wanted in the last 300 s (Kubernetes
+HPA's scale-down stabilization window), telemetry older than 30 s (or absent) holds the pool still; the request
+rate is sized at forecast × (1 + 1.28·RMS relative one-tick forecast error of the pool's work), at
+most ×1.5.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class PlannerConfig(BaseModel):
     stale_after_s: float = Field(30.0, gt=0)
     max_step: int = Field(4, ge=1)
     scale_down_cooldown_s: float = Field(300.0, ge=0)
+    scale_down_window_s: float = Field(300.0, ge=0)  # scale down only to the highest count wanted in this window
     advisory: bool = False  # decide and record, never apply
     default_profile: str = "h200-llama3.1-8b"
     profiles: dict[str, str] = Field(default_factory=dict)  # model -> profile name or directory
@@ -51,6 +55,8 @@ class PlannerConfig(BaseModel):
     default_ttft_ms: float = Field(500.0, gt=0)
     default_itl_ms: float = Field(50.0, gt=0)
     max_prefill_utilization: float = Field(0.9, gt=0, lt=1)  # prefill sizing never plans busier than this
+    demand_z: float = Field(1.28, ge=0)  # size for forecast + z·(forecast error): 1.28 ~ its p90
+    max_headroom: float = Field(1.5, ge=1)  # cap on that safety factor
     load: LoadThresholds = Field(default_factory=LoadThresholds)
 
     @property

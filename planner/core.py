@@ -7,14 +7,18 @@ Per managed pool (every pool listed in the targets), each tick:
                are still enforced).
   2. predict   feed the window's demand (arrival rate, else finish rate; mean ISL, OSL, KV hit rate)
                to one predictor per quantity; forecast 1 + lookahead_s/interval_s ticks ahead
-               (the prompt-length spread CV² is taken as last observed).
+               (the prompt-length spread CV² is taken as last observed). The rate is then sized
+               with headroom: × min(1 + demand_z·RMS of the relative one-tick forecast errors of
+               the pool's work (prompt tokens/s for prefill, rate·osl·context for decode; EWMA,
+               weight 0.2), max_headroom).
   3. size      sla:    replicas from the perf model for the predicted demand (sla.py);
                load:   current ± 1 from queue/KV/latency thresholds (load.py);
                hybrid: sla replicas + a load correction k >= 0 (k += 1 on a load 'up' the SLA
                        count did not already cover, k −= 1 on a 'down' at most once per
                        scale_down_cooldown_s) — the SLA count is a floor.
-  4. guard     clamp to [min_replicas, max_replicas]; move at most max_step per tick; no scale-down
-               within scale_down_cooldown_s of the pool's last change.
+  4. guard     clamp to [min_replicas, max_replicas]; move at most max_step per tick; scale down
+               only to the highest count wanted within scale_down_window_s (HPA-style
+               stabilization) and not within scale_down_cooldown_s of the pool's last change.
   Then across pools: if Σ desired·gpus_per_replica > gpu_budget, every pool keeps min_replicas and
   the rest of the budget is shared in proportion to what each pool wanted above its minimum.
 Every PoolDecision carries a reason. In advisory mode decisions are returned but marked advisory
@@ -24,6 +28,7 @@ Every PoolDecision carries a reason. In advisory mode decisions are returned but
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 
 from planner.config import PlannerConfig
@@ -50,8 +55,11 @@ class PlannerCore:
         self._predictors: dict[tuple[PoolKey, str], Predictor] = {}
         self._last_change: dict[PoolKey, float] = {}
         self._correction: dict[PoolKey, int] = {}
+        self._wanted: dict[PoolKey, deque[tuple[float, int]]] = {}
         self._correction_at: dict[PoolKey, float] = {}
         self._cv2: dict[PoolKey, float] = {}
+        self._last_rate_pred: dict[PoolKey, float] = {}
+        self._rate_err2: dict[PoolKey, float] = {}
 
     # ---- the tick ------------------------------------------------------------------------------
     def on_tick(self, now: float, obs: Observation) -> Decision:
@@ -94,6 +102,12 @@ class PlannerCore:
         rate = s.arrival_rate if s.arrival_rate > 0 else s.request_rate
         now_vals = {"request_rate": rate, "isl": s.avg_isl, "osl": s.avg_osl, "kv_hit_rate": s.kv_hit_rate}
         steps = 1.0 + self.cfg.lookahead_s / self.cfg.interval_s
+        work = self._work(po.pool, rate, s.avg_isl, s.avg_osl)
+        prev = self._last_rate_pred.get(po.pool)
+        if prev is not None and work is not None and max(prev, work) > 0:  # how wrong was last tick's forecast?
+            rel = (work - prev) / max(prev, work)
+            old = self._rate_err2.get(po.pool)
+            self._rate_err2[po.pool] = rel * rel if old is None else 0.8 * old + 0.2 * rel * rel
         out = {}
         for q in _QUANTITIES:
             p = self._predictors.get((po.pool, q))
@@ -102,14 +116,26 @@ class PlannerCore:
             if now_vals[q] is not None:
                 p.observe(now_vals[q])
             out[q] = p.predict(steps)
+        nxt = self._work(po.pool, *(self._predictors[(po.pool, q)].predict(1.0) for q in ("request_rate", "isl", "osl")))
+        if nxt is not None:
+            self._last_rate_pred[po.pool] = nxt
         if out["kv_hit_rate"] is None:
             out["kv_hit_rate"] = 0.0
         if out["request_rate"] is None or (out["request_rate"] > 0 and (out["isl"] is None or out["osl"] is None)):
             return None
         if s.isl_cv2 is not None:
             self._cv2[po.pool] = s.isl_cv2
-        return Demand(out["request_rate"], out["isl"] or 0.0, out["osl"] or 0.0, min(max(out["kv_hit_rate"], 0.0), 1.0),
+        headroom = min(1.0 + self.cfg.demand_z * math.sqrt(self._rate_err2.get(po.pool, 0.0)), self.cfg.max_headroom)
+        return Demand(out["request_rate"] * headroom, out["isl"] or 0.0, out["osl"] or 0.0, min(max(out["kv_hit_rate"], 0.0), 1.0),
                       self._cv2.get(po.pool, 1.0))
+
+    @staticmethod
+    def _work(pool: PoolKey, rate: float | None, isl: float | None, osl: float | None) -> float | None:
+        """The demand the forecast error is measured on: prompt tokens/s for prefill, KV-token
+        occupancy (rate · osl · context) for decode and aggregated pools."""
+        if rate is None or isl is None or (osl is None and pool.role != "prefill"):
+            return None
+        return rate * isl if pool.role == "prefill" else rate * osl * (isl + osl / 2)
 
     def _sla(self, po: PoolObservation, pt: PoolTarget, d: Demand) -> tuple[int, str] | None:
         perf = self.perf_models.get(pt.model, self.default_perf)
@@ -171,6 +197,15 @@ class PlannerCore:
             reason += f"; limited to {self.cfg.max_step} per tick (wanted {n})"
             n = self._clamp(stepped, pt)
         held = False
+        wanted = self._wanted.setdefault(po.pool, deque())
+        wanted.append((now, n))
+        while wanted and wanted[0][0] < now - self.cfg.scale_down_window_s:
+            wanted.popleft()
+        if n < cur and cur <= pt.max_replicas:
+            floor = max(v for _, v in wanted)
+            if floor > n:
+                reason += f"; scale-down limited to {min(floor, cur)} (wanted up to {floor} in the last {self.cfg.scale_down_window_s:.0f} s)"
+                n = min(floor, cur)
         if n < cur and cur <= pt.max_replicas:
             since = now - self._last_change.get(po.pool, -math.inf)
             if since < self.cfg.scale_down_cooldown_s:

@@ -18,7 +18,8 @@ DT = {"model": "m", "role": "decode", "itl_p90_ms": 15, "min_replicas": 1, "max_
 
 
 def core(**kw) -> PlannerCore:
-    base = dict(mode="sla", predictor="constant", scale_down_cooldown_s=0, max_step=100)
+    base = dict(mode="sla", predictor="constant", scale_down_cooldown_s=0, max_step=100, demand_z=0.0,
+                scale_down_window_s=0)
     return PlannerCore(PlannerConfig(**{**base, **kw}), default_perf=toy_perf())
 
 
@@ -153,3 +154,24 @@ def test_decision_record_is_json_ready():
     rec = json.loads(json.dumps(d.as_dict()))
     assert rec["pools"][0]["desired"] == 6 and rec["pools"][0]["demand"]["request_rate"] == 50
     assert d.replica_targets() == {P: 6}
+
+
+def test_forecast_error_headroom():
+    c = core(demand_z=1.28, max_headroom=1.5)
+    assert c.on_tick(0.0, observe(targets(PT), pobs(rate=50, isl=9000))).pools[0].demand.request_rate == 50  # no error seen yet
+    d = c.on_tick(30.0, observe(targets(PT), pobs(rate=40, isl=9000)))  # 20% below the forecast
+    assert d.pools[0].demand.request_rate == pytest.approx(40 * (1 + 1.28 * 0.2))
+    for t in range(2, 40):  # a steady load wears the error down
+        d = c.on_tick(30.0 * t, observe(targets(PT), pobs(rate=40, isl=9000)))
+    assert d.pools[0].demand.request_rate == pytest.approx(40, rel=0.01)
+    d = c.on_tick(2000.0, observe(targets(PT), pobs(rate=400, isl=9000)))  # a shock: capped at ×1.5
+    assert d.pools[0].demand.request_rate == pytest.approx(600)
+
+
+def test_scale_down_stabilization_window():
+    c = core(scale_down_window_s=300)
+    assert c.on_tick(0.0, observe(targets(PT), pobs(replicas=6, rate=50, isl=9000))).pools[0].desired == 6
+    d = c.on_tick(60.0, observe(targets(PT), pobs(replicas=6, rate=1, isl=9000)))
+    assert d.pools[0].desired == 6 and "scale-down limited to 6" in d.pools[0].reason
+    d = c.on_tick(301.0, observe(targets(PT), pobs(replicas=6, rate=1, isl=9000)))
+    assert d.pools[0].desired == 1  # the 6 wanted at t=0 has left the window
