@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -107,17 +108,16 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None) 
     """CLI -> SimConfig. `hash_seed` is what the entry point read from PYTHONHASHSEED (or None)."""
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
-    if any(not u.startswith("-") and u not in ("",) for u in unknown[:1]) and ns.model is None:
+    if ns.model is None and unknown and not unknown[0].startswith("-"):
         ns.model = unknown[0]  # `vllm serve MODEL` style positional
     if ns.speedup <= 0:
         parser.error("--speedup must be > 0")
-    profile = ns.profile or (ns.model if ns.model else DEFAULT_PROFILE)
-    if ns.profile is None and ns.model and ns.model not in BUNDLED:
-        # a model path/name that is not a profile: keep it as `root`, time with the default profile
-        from pathlib import Path
-
-        if not (Path(ns.model) / "prefill.npz").is_file():
-            profile = DEFAULT_PROFILE
+    if ns.profile:
+        profile = ns.profile
+    elif ns.model and (ns.model in BUNDLED or (Path(ns.model) / "prefill.npz").is_file()):
+        profile = ns.model
+    else:  # no model, or a model that is not a profile (kept as `root`): the default profile times it
+        profile = DEFAULT_PROFILE
     model = ns.model or profile
     kv = KvEventsConfig.model_validate_json(ns.kv_events_config) if ns.kv_events_config else KvEventsConfig()
     return SimConfig(

@@ -118,3 +118,27 @@ def test_chunked_prompt_costs_exactly_its_ttft():
 def test_unknown_profile_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="unknown profile"):
         load_profile(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "argv,profile,model,names",
+    [
+        ([], "h200-llama3.1-8b", "h200-llama3.1-8b", ["h200-llama3.1-8b"]),
+        (["--model", "h100-llama3.3-70b-tp4"], "h100-llama3.3-70b-tp4", "h100-llama3.3-70b-tp4", ["h100-llama3.3-70b-tp4"]),
+        (["--model", "meta-llama/x", "--served-model-name", "a", "b"], "h200-llama3.1-8b", "meta-llama/x", ["a", "b"]),
+        (["some/model", "--profile", "h100-llama3.3-70b-tp8", "--enforce-eager"], "h100-llama3.3-70b-tp8", "some/model", ["some/model"]),
+    ],
+)
+def test_cli_profile_and_model_resolution(argv, profile, model, names):
+    from workers.sim.config import parse_args
+
+    cfg = parse_args(argv)
+    assert (cfg.profile, cfg.model, cfg.served_model_names) == (profile, model, names)
+
+
+def test_cli_kv_events_config_like_vllm():
+    from workers.sim.config import parse_args
+
+    cfg = parse_args(["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "t"}'])
+    assert cfg.kv_events.publisher == "zmq" and cfg.kv_events.active and cfg.kv_events.buffer_steps == 10000
+    assert not parse_args([]).kv_events.active and parse_args([]).kv_events.publisher == "null"
