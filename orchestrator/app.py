@@ -18,7 +18,8 @@ from orchestrator.errors import BadRequestError, KvyardError, ModelNotFoundError
 from orchestrator.metrics import FrontendMetrics
 from orchestrator.pool import WorkerPool
 from orchestrator.service import InferenceService
-from router import Router
+from router import Router, build_policy
+from router.events import KvEventIngestor
 from workers.discovery import Discovery, InMemoryDiscovery, RedisDiscovery
 
 __all__ = ["create_app", "make_discovery"]
@@ -35,8 +36,10 @@ def make_discovery(cfg: FrontendConfig) -> Discovery:
 def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastAPI:
     discovery = discovery or make_discovery(cfg)
     metrics = FrontendMetrics()
-    router = Router(cfg.policy)
-    pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s)
+    params = {"overlap_weight": cfg.kv_overlap_weight, "temperature": cfg.router_temperature} if cfg.policy == "kv" else {}
+    router = Router(build_policy(cfg.policy, **params))
+    ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
+    pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor)
     service = InferenceService(cfg, pool, router, metrics)
 
     @asynccontextmanager
@@ -131,6 +134,8 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
                 "prefix_hit_rate": (m.prefix_cache_hits / m.prefix_cache_queries) if m and m.prefix_cache_queries else None,
                 "generation_tokens": m.generation_tokens if m else None,
             })
-        return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers})
+        kv = {"indexed_blocks": router.kv_index.tree_sizes() if router.kv_index is not None else None,
+              "events": ingestor.stats() if ingestor else None}
+        return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers, "kv": kv})
 
     return app

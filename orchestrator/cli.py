@@ -41,7 +41,7 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=None, help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 8000")
     p.add_argument("--grpc-port", type=int, default=None, help=f"KServe v2 gRPC port (default {DEFAULT_GRPC_PORT}; 0 disables)")
-    p.add_argument("--policy", default=None, choices=policy_names(), help="default round-robin")
+    p.add_argument("--policy", default=None, choices=policy_names(), help="default kv (KV-cache-aware)")
     p.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL"))
     p.add_argument("--discovery-prefix", default=None, help="Redis key prefix, one per cluster (default kvyard)")
     p.add_argument("--config", help="YAML file with the same keys as the flags (flags win)")

@@ -14,7 +14,9 @@ class FrontendConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = Field(0, ge=0, le=65535)  # KServe v2 gRPC endpoint; 0: off (the CLI defaults it to 8001)
-    policy: str = "round-robin"
+    policy: str = "kv"  # kv | least-loaded | round-robin | random
+    kv_overlap_weight: float = Field(1.0, ge=0)  # kv: weight of uncached prefill blocks against decode blocks
+    router_temperature: float = Field(0.0, ge=0)  # kv: 0 = argmin of the cost, > 0 = softmax sampling
     redis_url: str | None = None  # None -> in-memory discovery (embedded default)
     discovery_prefix: str = "kvyard"
     refresh_interval_s: float = Field(1.0, gt=0)  # how often the worker list is re-read

@@ -25,5 +25,9 @@ class FrontendMetrics:
         self.decision_time = Histogram(
             "kvyard_router_decision_seconds", "Time to take one routing decision", buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2), registry=r
         )
+        self.kv_hit_rate = Histogram("kvyard_router_kv_hit_rate", "Share of the prompt cached on the chosen worker (predicted)",
+                                     ["model"], buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0), registry=r)
+        self.overlap_blocks = Counter("kvyard_router_overlap_blocks", "Prompt blocks found cached on the chosen worker", ["model"], registry=r)
+        self.prompt_blocks = Counter("kvyard_router_prompt_blocks", "Full prompt blocks routed", ["model"], registry=r)
         self.retries = Counter("kvyard_engine_retries", "Requests re-sent to another engine before streaming", ["model"], registry=r)
         self.workers = Gauge("kvyard_workers", "Live workers by model and state", ["model", "state"], registry=r)

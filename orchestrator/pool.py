@@ -21,6 +21,7 @@ import httpx
 
 from orchestrator.tokenizer import load_tokenizer
 from router import Endpoint, EndpointLoad, Router
+from router.events import KvEventIngestor
 from workers.discovery import Discovery, DiscoveryError, files_digest
 from workers.registry import get_backend
 from workers.types import EngineMetrics, WorkerInfo, WorkerState
@@ -44,7 +45,7 @@ class LiveWorker:
 
 class WorkerPool:
     def __init__(self, discovery: Discovery, router: Router, refresh_interval_s: float = 1.0, scrape_interval_s: float = 1.0,
-                 cache_dir: str | Path | None = None) -> None:
+                 cache_dir: str | Path | None = None, ingestor: KvEventIngestor | None = None) -> None:
         self.discovery = discovery
         self.router = router
         self.refresh_interval_s = refresh_interval_s
@@ -52,6 +53,7 @@ class WorkerPool:
         self.workers: dict[str, LiveWorker] = {}
         self.known_models: set[str] = set()
         self.discovery_ok = True
+        self.ingestor = ingestor  # feeds the router's KV index from each worker's KV events
         self.tokenizer_dirs: dict[str, str] = {}  # model -> local folder with tokenizer.json
         self.cache_dir = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "kvyard-tokenizers"
         self._tasks: list[asyncio.Task] = []
@@ -67,6 +69,8 @@ class WorkerPool:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._client.aclose()
+        if self.ingestor is not None:
+            await self.ingestor.close()
 
     async def _loop(self, fn, interval: float) -> None:
         while True:
@@ -97,6 +101,9 @@ class WorkerPool:
                 self.workers[info.worker_id] = LiveWorker(info)
             else:
                 live.info = info
+        if self.ingestor is not None:  # no await since the joined/left loop: index and pool agree
+            self.ingestor.sync([w.info for w in self.workers.values()])
+        for info in infos:
             self.known_models.add(info.model)
             if info.model not in self.tokenizer_dirs:
                 await self._resolve_tokenizer(info)

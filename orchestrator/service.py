@@ -160,6 +160,11 @@ class InferenceService:
             self._finish(rreq, t0, "error")
             raise
         self.metrics.routed.labels(req.model, ep.worker_id, decision.policy).inc()
+        if ids and ep.block_size:
+            overlap = decision.overlap_of(ep)
+            self.metrics.overlap_blocks.labels(req.model).inc(overlap)
+            self.metrics.prompt_blocks.labels(req.model).inc(len(ids) // ep.block_size)
+            self.metrics.kv_hit_rate.labels(req.model).observe(min(1.0, overlap * ep.block_size / len(ids)))
         return Dispatched(rreq, ep, resp, req.stream, req.include_usage, t0)
 
     async def release(self, d: Dispatched, status: str) -> bytes:

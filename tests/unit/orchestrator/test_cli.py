@@ -9,7 +9,7 @@ from orchestrator.config import FrontendConfig
 def test_frontend_defaults_without_flags_or_yaml():
     ns = _build_parser().parse_args(["frontend"])
     cfg = _frontend_config(ns)
-    assert (cfg.host, cfg.port, cfg.policy) == ("127.0.0.1", 8000, "round-robin")
+    assert (cfg.host, cfg.port, cfg.policy) == ("127.0.0.1", 8000, "kv")
 
 
 def test_yaml_then_flags(tmp_path):

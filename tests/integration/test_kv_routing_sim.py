@@ -1,0 +1,89 @@
+"""KV-aware routing end to end: `kvyard up` with sim workers, KV events feeding the index.
+
+Requests that share a long prefix land on the worker that cached it (the engine's own
+prefix-cache counters confirm the hits), and a hot prefix still spreads once that worker is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from tests.unit.orchestrator.fake_engine import free_port
+from workers.vllm.metrics import parse_vllm_metrics
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+async def stack(tmp_path):
+    port, base = free_port(), free_port() + 200
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--workers", "4", "--port", str(port), "--grpc-port", "0",
+                             "--base-port", str(base), "--policy", "kv", "--speedup", "2"],
+                            stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    async with httpx.AsyncClient(timeout=60) as client:
+        while time.monotonic() < deadline:
+            try:
+                body = (await client.get(url + "/api/cluster")).json()
+                if len(body["workers"]) == 4:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.3)
+        else:
+            proc.kill()
+            pytest.fail("kvyard up did not start:\n" + (tmp_path / "up.log").read_text()[-3000:])
+        yield client, url, [f"http://127.0.0.1:{base + i}" for i in range(4)]
+    proc.send_signal(signal.SIGINT)
+    proc.wait(60)
+
+
+def prefix(i: int) -> str:
+    return f"Document {i}: " + " ".join(f"fact{i}-{j} is recorded here." for j in range(300))  # ~2k tokens
+
+
+async def hits(client, engines) -> float:
+    total = 0.0
+    for e in engines:
+        total += parse_vllm_metrics((await client.get(e + "/metrics")).text).prefix_cache_hits
+    return total
+
+
+async def test_shared_prefix_goes_where_it_is_cached(stack):
+    client, url, engines = stack
+    chosen = {}
+    for i in range(4):
+        r = await client.post(url + "/v1/completions", json={"model": "kvyard-sim", "prompt": prefix(i) + " Q0", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        chosen[i] = r.headers["x-kvyard-worker"]
+    await asyncio.sleep(0.5)  # KV events reach the index
+    before = await hits(client, engines)
+    for q in range(1, 4):
+        for i in range(4):
+            r = await client.post(url + "/v1/completions", json={"model": "kvyard-sim", "prompt": prefix(i) + f" Q{q}", "max_tokens": 2})
+            assert r.headers["x-kvyard-worker"] == chosen[i], f"prefix {i} moved away from its cache"
+    gained = await hits(client, engines) - before
+    assert gained >= 12 * 1900  # each follow-up reused (almost) its whole ~2k-token prefix
+    text = (await client.get(url + "/metrics")).text
+    assert "kvyard_router_kv_hit_rate_bucket" in text
+
+
+async def test_hot_prefix_spreads_under_load(stack):
+    client, url, _ = stack
+    body = {"model": "kvyard-sim", "prompt": prefix(99), "max_tokens": 400}
+    r = await client.post(url + "/v1/completions", json={**body, "max_tokens": 1})
+    assert r.status_code == 200
+    await asyncio.sleep(0.5)
+    rs = await asyncio.gather(*(client.post(url + "/v1/completions", json={**body, "prompt": prefix(99) + f" v{k}"}) for k in range(24)))
+    counts = Counter(r.headers["x-kvyard-worker"] for r in rs)
+    assert all(r.status_code == 200 for r in rs)
+    assert len(counts) >= 2, counts  # not everything on the one worker holding the prefix
