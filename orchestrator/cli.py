@@ -85,6 +85,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     fe = sub.add_parser("frontend", help="run the OpenAI frontend over workers in Redis")
     _frontend_args(fe)
+    bench = sub.add_parser("bench", help="run a benchmark (routing: benchmarks/routing.py; its flags follow)")
+    bench.add_argument("name", choices=["routing"])
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return ap
 
 
@@ -211,6 +214,11 @@ def _event_loop_runner():
 def main(argv: list[str] | None = None) -> int:
     ns = _build_parser().parse_args(argv)
     _setup_logging(ns.log_level)
+    if ns.command == "bench":  # benchmarks/ lives beside the packages, not inside them
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from benchmarks.routing import main as bench_main
+
+        return bench_main(ns.bench_args)
     runner = {"up": _run_up, "worker": _run_worker, "frontend": _run_frontend}[ns.command]
     try:
         return _event_loop_runner()(runner(ns))
