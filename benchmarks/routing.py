@@ -58,6 +58,7 @@ TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
 TRACE_BLOCK = 512
 VOCAB_LO, VOCAB_HI = 1000, 100000
 MODEL = "kvyard-sim"
+OUT = "routing"
 
 
 # ---------------------------------------------------------------- workloads
@@ -111,10 +112,14 @@ def shared_prefix_workload(n: int, prefixes: int, prefix_tokens: int, suffix_tok
     return out
 
 
-def oracle_hits(workload: list[dict], block_size: int) -> dict:
+def oracle_hits(workload: list[dict], block_size: int, capacity_blocks: int | None = None) -> dict:
     """Infinite cache shared by all workers: hit = leading full blocks seen in any earlier prompt (chained),
-    capped so at least one prompt token is computed (vLLM's rule)."""
-    seen: set[bytes] = set()
+    capped so at least one prompt token is computed (vLLM's rule). With `capacity_blocks`: one pooled LRU
+    cache of that many blocks instead (the fleet's capacity with perfect affinity and no load limits; a
+    reference, not a bound: LRU is not the optimal eviction)."""
+    from collections import OrderedDict
+
+    seen: OrderedDict[bytes, None] = OrderedDict()
     hits = queries = 0
     for w in workload:
         ids = w["prompt"]
@@ -132,7 +137,12 @@ def oracle_hits(workload: list[dict], block_size: int) -> dict:
         hit = min(hit_blocks * block_size, ((len(ids) - 1) // block_size) * block_size)
         hits += hit
         queries += len(ids)
-        seen.update(chain)
+        for hsh in chain:
+            seen[hsh] = None
+            seen.move_to_end(hsh)
+        if capacity_blocks is not None:
+            while len(seen) > capacity_blocks:
+                seen.popitem(last=False)
     return {"hits": hits, "queries": queries, "hit_rate": hits / queries if queries else None}
 
 
@@ -282,7 +292,7 @@ def write_report(out: dict, cmd: str) -> None:
             r.pop("_ttft_all", None)
         if sec in clean and "unloaded" in clean[sec]:
             clean[sec]["unloaded"].pop("_ttft_all", None)
-    (RESULTS / "routing.json").write_text(json.dumps(clean, indent=1))
+    (RESULTS / f"{OUT}.json").write_text(json.dumps(clean, indent=1))
     p = out["params"]
     L = ["# Routing benchmark: kv vs round-robin vs random vs least-loaded on 8 sim workers", "",
          f"Run {out['when']} on {out['machine']}; load average {out['loadavg']['start']} at start, {out['loadavg']['end']} at the end "
@@ -316,6 +326,9 @@ def write_report(out: dict, cmd: str) -> None:
                      f"{fmt(r['req_per_s'], 2)} | {fmt(r['output_tok_per_s'], 0)} | {fmt(100 * r['hit_rate'])}% | "
                      f"{fmt(100 * r['hit_rate'] / orc)}% | {r['errors']} |")
         L.append(f"| oracle (infinite shared cache) | | | | | | | | {fmt(100 * orc)}% | 100% | |")
+        if tr.get("pooled_lru"):
+            pl = tr["pooled_lru"]["hit_rate"]
+            L.append(f"| reference: one pooled LRU of the fleet's capacity | | | | | | | | {fmt(100 * pl)}% | {fmt(100 * pl / orc)}% | |")
         L += ["", "Times in ms. Targets (reported, not asserted): kv TTFT p90 ≤ ⅓ of round-robin's → "
               f"kv/rr = **{fmt(tr.get('kv_over_rr_p90'), 3)}**; kv hit rate ≥ 95% of the oracle's → **{fmt(tr.get('kv_hit_over_oracle_pct'))}%**.", ""]
     sp = out.get("shared_prefix")
@@ -336,7 +349,7 @@ def write_report(out: dict, cmd: str) -> None:
               "20 req/s): kv TTFT p50 25 ms vs round-robin 105 ms; prompt-cache reads 78% vs 38%.", ""]
     if out.get("notes"):
         L += ["## Notes", ""] + [f"- {n}" for n in out["notes"]] + [""]
-    (RESULTS / "routing.md").write_text("\n".join(L))
+    (RESULTS / f"{OUT}.md").write_text("\n".join(L))
     print("\n".join(L))
     plot(out)
 
@@ -374,7 +387,7 @@ def plot(out: dict) -> None:
         ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
         ax.set_title(f"{sec.replace('_', ' ')}: fleet cache hits")
     fig.tight_layout()
-    fig.savefig(RESULTS / "routing.png", dpi=110)
+    fig.savefig(RESULTS / f"{OUT}.png", dpi=110)
 
 
 # ---------------------------------------------------------------- main
@@ -404,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sp-num-gpu-blocks", type=int, default=16384)
     ap.add_argument("--sp-policies", default="kv,round-robin")
     ap.add_argument("--skip", default="", help="comma list of: trace, unloaded, shared")
+    ap.add_argument("--out", default="routing", help="results/<out>.json, .md, .png")
     return ap
 
 
@@ -425,7 +439,8 @@ async def amain(args) -> dict:
                          "osl_scale": args.osl_scale, "isl_mean": float(isl.mean()), "isl_max": int(isl.max()),
                          "osl_mean": float(osl.mean()), "num_gpu_blocks": args.num_gpu_blocks,
                          "distinct_tokens": distinct * TRACE_BLOCK},
-              "oracle": oracle_hits(wl, args.block_size), "runs": {}}
+              "oracle": oracle_hits(wl, args.block_size), "runs": {},
+              "pooled_lru": oracle_hits(wl, args.block_size, args.workers * (args.num_gpu_blocks - 1))}
         out["trace"] = tr
         print(f"trace: {tr['params']} oracle {tr['oracle']}", flush=True)
         if "unloaded" not in skip:
@@ -456,7 +471,9 @@ async def amain(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global OUT
     args = build_parser().parse_args(argv)
+    OUT = args.out
     out = asyncio.run(amain(args))
     cmd = "kvyard bench routing " + " ".join(argv if argv is not None else sys.argv[1:])
     out["command"] = cmd
