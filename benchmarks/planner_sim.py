@@ -92,7 +92,7 @@ async def run_policy(name: str, reqs: Requests, perf, args, schedule: list[tuple
     policy = None
     if name == "planner":
         pcfg = PlannerConfig(predictor=args.predictor, interval_s=args.interval, window_s=args.window, lookahead_s=args.startup,
-                             scale_down_cooldown_s=args.cooldown, stale_after_s=30, max_step=args.max_step,
+                             scale_down_cooldown_s=args.cooldown, scale_down_window_s=args.down_window, stale_after_s=30, max_step=args.max_step,
                              demand_z=args.demand_z, max_headroom=args.max_headroom, mode=args.mode)
         targets = {"pools": [{"model": "llama-3.1-8b", "role": role, "ttft_p90_ms": args.ttft, "itl_p90_ms": args.itl,
                               "min_replicas": 1, "max_replicas": args.pmax} for role in ("prefill", "decode")]}
@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slice", type=float, default=0.25)
     ap.add_argument("--interval", type=float, default=15.0, help="planner tick, s")
     ap.add_argument("--window", type=float, default=None, help="planner telemetry window, s (default: the tick)")
-    ap.add_argument("--cooldown", type=float, default=180.0)
+    ap.add_argument("--cooldown", type=float, default=60.0, help="planner scale-down cooldown, s")
+    ap.add_argument("--down-window", type=float, default=120.0, help="planner scale-down stabilization window, s")
     ap.add_argument("--max-step", type=int, default=8)
     ap.add_argument("--predictor", default="kalman")
     ap.add_argument("--mode", default="hybrid", choices=["sla", "load", "hybrid"])

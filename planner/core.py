@@ -197,11 +197,13 @@ class PlannerCore:
             reason += f"; limited to {self.cfg.max_step} per tick (wanted {n})"
             n = self._clamp(stepped, pt)
         held = False
-        wanted = self._wanted.setdefault(po.pool, deque())
+        wanted = self._wanted.get(po.pool)
+        if wanted is None:  # a planner that just started does not scale down within its first window
+            wanted = self._wanted[po.pool] = deque([(now, cur)])
         wanted.append((now, n))
         while wanted and wanted[0][0] < now - self.cfg.scale_down_window_s:
             wanted.popleft()
-        if n < cur and cur <= pt.max_replicas:
+        if n < cur and cur <= pt.max_replicas and self.cfg.scale_down_window_s > 0:
             floor = max(v for _, v in wanted)
             if floor > n:
                 reason += f"; scale-down limited to {min(floor, cur)} (wanted up to {floor} in the last {self.cfg.scale_down_window_s:.0f} s)"
