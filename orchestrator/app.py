@@ -16,7 +16,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from orchestrator.config import FrontendConfig
 from orchestrator.errors import BadRequestError, KvyardError, ModelNotFoundError, error_response
 from orchestrator.metrics import FrontendMetrics
+from orchestrator.admin import make_admin_router
 from orchestrator.pool import WorkerPool
+from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_store
+from workers.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
 from orchestrator.service import InferenceService
 from router import Router, build_policy
 from router.events import KvEventIngestor
@@ -41,10 +44,16 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor)
     service = InferenceService(cfg, pool, router, metrics)
+    telemetry_store = make_telemetry_store(cfg.redis_url, cfg.discovery_prefix)
+    targets = RedisTargetsStore(cfg.redis_url, cfg.discovery_prefix) if cfg.redis_url else InMemoryTargetsStore()
+    if cfg.telemetry:
+        service.telemetry = FrontendTelemetry.for_pool(telemetry_store, pool, cfg.telemetry_interval_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await pool.start()
+        if service.telemetry is not None:
+            service.telemetry.start()
         try:
             if cfg.grpc_port:  # the KServe v2 gRPC endpoint, on this loop, sharing the service and pool
                 from orchestrator.grpc import start_grpc_server
@@ -55,11 +64,17 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
             if app.state.grpc is not None:
                 await app.state.grpc.stop()
                 app.state.grpc = None
+            if service.telemetry is not None:
+                await service.telemetry.close()  # a last flush
             await pool.close()
             await service.close()
+            for store in (telemetry_store, targets):
+                await store.close()
 
     app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan)
     app.state.cfg, app.state.pool, app.state.router, app.state.metrics = cfg, pool, router, metrics
+    app.state.telemetry_store, app.state.targets = telemetry_store, targets
+    app.include_router(make_admin_router(targets, cfg.admin_token, telemetry_store))
     app.state.grpc = None  # orchestrator.grpc.GrpcServer while the lifespan runs with cfg.grpc_port
 
     @app.exception_handler(KvyardError)

@@ -94,6 +94,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
     data = load_yaml(ns.config).get("frontend", {}) if getattr(ns, "config", None) else {}
     flags = {"host": ns.host, "port": ns.port, "policy": ns.policy, "redis_url": ns.redis_url, "discovery_prefix": ns.discovery_prefix,
+             "admin_token": os.environ.get("KVYARD_ADMIN_TOKEN"),
              "grpc_port": ns.grpc_port}
     data.update({k: v for k, v in flags.items() if v is not None})
     data.setdefault("grpc_port", DEFAULT_GRPC_PORT)  # on by default from the CLI; FrontendConfig's own default is off

@@ -28,6 +28,9 @@ class FrontendConfig(BaseModel):
     max_attempts: int = Field(3, ge=1)  # engines tried for one request before a clean error
     retry_after_s: float = Field(1.0, gt=0)
     log_requests: bool = False
+    admin_token: str | None = Field(None, repr=False)  # bearer token of /admin and the dashboard's writes; None disables them
+    telemetry: bool = True  # per-pool telemetry for the planner (Redis when redis_url is set, else in memory)
+    telemetry_interval_s: float = Field(1.0, gt=0)
 
 
 class ClusterConfig(BaseModel):

@@ -36,6 +36,7 @@ from orchestrator.errors import (
 from orchestrator.metrics import FrontendMetrics
 from orchestrator.pool import WorkerPool
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from orchestrator.telemetry_recorder import FrontendTelemetry
 from orchestrator.streaming import StreamStats, relay_sse, sse_error_event
 from orchestrator.tokenizer import load_tokenizer
 from router import Endpoint, NoEndpointsError, RouteRequest, Router
@@ -70,6 +71,7 @@ class InferenceService:
         self.router = router
         self.metrics = metrics
         self.client = EngineClient(cfg.connect_timeout_s)
+        self.telemetry: FrontendTelemetry | None = None  # set by the app when telemetry is on
 
     async def close(self) -> None:
         await self.client.close()
@@ -149,6 +151,8 @@ class InferenceService:
         except NoEndpointsError as exc:
             raise ServiceUnavailableError(f"no worker is ready to serve `{req.model}`; retry shortly", retry_after=self.cfg.retry_after_s) from exc
         self.metrics.decision_time.observe(self.router.last_decision_s)
+        if self.telemetry is not None:
+            self.telemetry.on_arrival(req.model)
         self.metrics.isl.labels(req.model).observe(len(ids))
         if req.stream:
             body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
@@ -234,9 +238,11 @@ class InferenceService:
             raise
         finally:
             await resp.aclose()
+            osl = int((stats.usage or {}).get("completion_tokens", stats.content_events))
             if stats.usage:
-                self.metrics.osl.labels(model).observe(stats.usage.get("completion_tokens", 0))
-            self._finish(rreq, t0, status)
+                self.metrics.osl.labels(model).observe(osl)
+            ttft = stats.first_token_at - t0 if stats.first_token_at is not None else None
+            self._finish(rreq, t0, status, ttft_s=ttft, osl=osl)
 
     async def _unary(self, request: Request, d: Dispatched, headers: dict) -> Response:
         read = asyncio.ensure_future(self.unary_body(d))
@@ -269,19 +275,24 @@ class InferenceService:
             if status != "ok":
                 self._finish(rreq, t0, status)
         self.router.on_first_token(rreq.request_id)
+        osl = 0
         try:
-            usage = json.loads(content).get("usage") or {}
-            self.metrics.osl.labels(rreq.model).observe(usage.get("completion_tokens", 0))
-        except (ValueError, AttributeError):
+            osl = int((json.loads(content).get("usage") or {}).get("completion_tokens", 0))
+            self.metrics.osl.labels(rreq.model).observe(osl)
+        except (ValueError, AttributeError, TypeError):
             pass
-        self._finish(rreq, t0, "ok")
+        self._finish(rreq, t0, "ok", osl=osl)
         return content
 
-    def _finish(self, rreq: RouteRequest, t0: float, status: str) -> None:
+    def _finish(self, rreq: RouteRequest, t0: float, status: str, ttft_s: float | None = None, osl: int = 0) -> None:
+        """Close the books on a request, on every path: router load, metrics, telemetry."""
+        duration = time.perf_counter() - t0
         self.router.on_complete(rreq.request_id)
         self.metrics.inflight.labels(rreq.model).dec()
-        self.metrics.duration.labels(rreq.model).observe(time.perf_counter() - t0)
+        self.metrics.duration.labels(rreq.model).observe(duration)
         self.metrics.requests.labels(rreq.model, "generate", status).inc()
+        if self.telemetry is not None:
+            self.telemetry.on_finish(rreq.model, ttft_s=ttft_s, duration_s=duration, isl=rreq.isl, osl=osl, ok=status == "ok")
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -205,3 +207,22 @@ async def test_tokenizer_fetched_from_discovery_when_path_unreadable(frontend, t
         # the length check needs token ids, so a 400 proves the fetched tokenizer is in use
         r = await client.post("/v1/completions", json={"model": "m", "prompt": "word " * 200})
         assert_openai_error(r, 400)
+
+
+async def test_requests_reach_telemetry_and_admin_api_needs_token(frontend):
+    client, disc = frontend
+    store = client._transport.app.state.telemetry_store
+    with FakeEngine(tokens=4) as eng:
+        await add(disc, client, winfo("a", eng.url))
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+    rows: list = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and sum(b.requests for b in rows) < 2:  # flushed about once a second
+        await asyncio.sleep(0.2)
+        buckets = await store.read_pool_buckets(0, time.time() + 60)
+        rows = [b for pool_rows in buckets.values() for b in pool_rows]
+    assert sum(b.requests for b in rows) == 2 and sum(b.arrivals for b in rows) == 2
+    assert sum(b.osl_sum for b in rows) == 8  # 4 streamed + 4 unary tokens, from the engines' usage
+    r = await client.get("/admin/targets")  # no admin token configured: refused, OpenAI-style
+    assert_openai_error(r, 401)
