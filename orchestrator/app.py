@@ -17,6 +17,7 @@ from orchestrator.config import FrontendConfig
 from orchestrator.errors import BadRequestError, KvyardError, ModelNotFoundError, error_response
 from orchestrator.metrics import FrontendMetrics
 from orchestrator.admin import make_admin_router
+from orchestrator.dashboard import make_dashboard_router
 from orchestrator.pool import WorkerPool
 from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_store
 from workers.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
@@ -75,6 +76,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     app.state.cfg, app.state.pool, app.state.router, app.state.metrics = cfg, pool, router, metrics
     app.state.telemetry_store, app.state.targets = telemetry_store, targets
     app.include_router(make_admin_router(targets, cfg.admin_token, telemetry_store))
+    app.include_router(make_dashboard_router())  # GET /api/pools, read-only, no token
     app.state.grpc = None  # orchestrator.grpc.GrpcServer while the lifespan runs with cfg.grpc_port
 
     @app.exception_handler(KvyardError)
