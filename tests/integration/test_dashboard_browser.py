@@ -1,0 +1,248 @@
+"""The operator dashboard in a real browser: Playwright drives Debian's Chromium against `kvyard up`.
+
+A stack of 2 sim workers (Redis for discovery, telemetry and targets, under a private key prefix)
+serves some load; the page must show the numbers telemetry holds (worker count, requests, TTFT/ITL
+p90 as /api/pools computes them), refuse a bad target with the API's message, save a good one (the
+version increments and GET /admin/targets returns it), and the planner's next tick, reading the
+same Redis targets, must decide against the new version and have its reason shown on the page.
+Screenshots go to benchmarks/results/dashboard/.
+
+Needs /usr/bin/chromium and the playwright package (scripts/install_browser.sh); FAILS without them.
+`playwright install` is never used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.unit.orchestrator.fake_engine import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+REPO = Path(__file__).resolve().parents[2]
+SHOTS = REPO / "benchmarks" / "results" / "dashboard"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+REDIS_URL = os.environ.get("KVYARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+TOKEN = "dash-" + uuid.uuid4().hex
+N_REQUESTS = 48
+
+
+def _browser_or_fail():
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: run scripts/install_browser.sh")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the playwright package is missing: run scripts/install_browser.sh")
+    return sync_playwright
+
+
+@pytest.fixture
+def stack(tmp_path):
+    sync_playwright = _browser_or_fail()
+    port, base = free_port(), free_port() + 300
+    prefix = f"kvyard-dash-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "KVYARD_ADMIN_TOKEN": TOKEN}
+    log = open(tmp_path / "up.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--workers", "2", "--speedup", "4", "--grpc-port", "0",
+                             "--port", str(port), "--base-port", str(base), "--redis-url", REDIS_URL, "--discovery-prefix", prefix],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(timeout=60) as client:
+            deadline = time.monotonic() + 90
+            while True:
+                try:
+                    body = client.get(url + "/api/cluster").json()
+                    if sum(w["state"] == "ready" for w in body["workers"]) == 2:
+                        break
+                except (httpx.HTTPError, ValueError):
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("kvyard up did not start:\n" + (tmp_path / "up.log").read_text()[-3000:])
+                time.sleep(0.3)
+            yield client, url, prefix, sync_playwright
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+        asyncio.run(_drop_keys(prefix))
+
+
+async def _drop_keys(prefix: str) -> None:
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(REDIS_URL)
+    try:
+        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=500)]
+        if keys:
+            await r.delete(*keys)
+    finally:
+        await r.aclose()
+
+
+def _admin(token: str = TOKEN) -> dict:
+    return {"authorization": f"Bearer {token}"}
+
+
+def _drive_load(url: str, model: str) -> None:
+    doc = " ".join(f"clause {j} of the shared operating manual." for j in range(120))
+
+    def one(i: int) -> int:
+        body = {"model": model, "prompt": f"{doc} Question {i}: what does clause {i % 7} say?", "max_tokens": 24, "stream": True}
+        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+            text = "".join(r.iter_text())  # streamed, so the frontend measures TTFT and ITL
+            return r.status_code if "[DONE]" in text else -1
+
+    with ThreadPoolExecutor(8) as ex:
+        codes = list(ex.map(one, range(N_REQUESTS)))
+    assert codes == [200] * N_REQUESTS, codes
+
+
+def _planner_tick(prefix: str, pool_key, replicas: int):
+    """One planner tick on the stack's Redis stores (as `kvyard planner --advisory` would run it)."""
+    from planner.config import PlannerConfig
+    from planner.connectors import VirtualConnector
+    from planner.service import build_planner
+    from workers.telemetry.redis_store import RedisTelemetryStore
+    from workers.telemetry.schema import TelemetrySchema
+    from workers.telemetry.targets import RedisTargetsStore
+
+    async def run():
+        telemetry = RedisTelemetryStore(REDIS_URL, TelemetrySchema(prefix=prefix))
+        targets = RedisTargetsStore(REDIS_URL, prefix=prefix)
+        loop = build_planner(PlannerConfig(mode="sla", predictor="constant", advisory=True, interval_s=60),
+                             telemetry, targets, VirtualConnector({pool_key: replicas}))
+        try:
+            return await loop.tick()
+        finally:
+            await telemetry.close()
+            await targets.close()
+
+    with ThreadPoolExecutor(1) as ex:  # its own thread: Playwright's sync API holds this thread's event loop
+        return ex.submit(asyncio.run, run()).result()
+
+
+def test_dashboard_shows_telemetry_and_edits_targets(stack):
+    client, url, prefix, sync_playwright = stack
+    from workers.telemetry.schema import PoolKey
+
+    workers = client.get(url + "/api/cluster").json()["workers"]
+    model, role = workers[0]["model"], workers[0]["role"]
+    pid = f"{model}|{role}"
+    pool_key = PoolKey(model, role)
+
+    # reads need no token; the admin API does
+    assert client.get(url + "/admin/targets").status_code == 401
+    r = client.put(url + "/admin/targets", headers=_admin(), json={
+        "pools": [{"model": model, "role": role, "ttft_p90_ms": 800, "itl_p90_ms": 60, "min_replicas": 1, "max_replicas": 6}],
+        "gpu_budget": 8})
+    assert r.status_code == 200, r.text
+    v1 = r.json()["version"]
+
+    _drive_load(url, model)
+    deadline = time.monotonic() + 20  # the frontend flushes telemetry about once a second
+    while True:
+        api = client.get(url + "/api/pools").json()
+        pool = next((p for p in api["pools"] if p["model"] == model and p["role"] == role), None)
+        if pool and pool["summary"]["requests"] == N_REQUESTS:
+            break
+        assert time.monotonic() < deadline, api
+        time.sleep(0.5)
+    assert "dash-" not in str(api)  # no secrets in the read endpoint
+    s = pool["summary"]
+    assert s["ttft_p90_ms"] and s["itl_p90_ms"] and s["tokens_per_s"] > 0 and s["kv_hit_rate"] is not None, s
+
+    first = _planner_tick(prefix, pool_key, 2)
+    assert first.targets_version == v1
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url + "/dashboard")
+            card = page.locator(f'.pool[data-pool="{pid}"]')
+            card.wait_for(timeout=15_000)
+            page.wait_for_function("document.getElementById('worker-count') !== null", timeout=10_000)
+
+            # the numbers shown are telemetry's (as /api/pools computes them right now)
+            assert page.locator("#worker-count").inner_text() == str(len(workers)) == "2"
+            assert card.locator('[data-stat="replicas"]').inner_text() == "2"
+            assert card.locator('[data-stat="requests"]').inner_text() == str(N_REQUESTS)
+            now = client.get(url + "/api/pools").json()
+            s = next(p for p in now["pools"] if p["model"] == model and p["role"] == role)["summary"]
+            assert card.locator('[data-stat="ttft_p90_ms"]').inner_text() == f"{s['ttft_p90_ms']:.1f}"
+            assert card.locator('[data-stat="itl_p90_ms"]').inner_text() == f"{s['itl_p90_ms']:.2f}"
+            assert card.locator('[data-stat="kv_hit_rate"]').inner_text() == f"{s['kv_hit_rate'] * 100:.1f}"
+            shown_rate = float(card.locator('[data-stat="request_rate"]').inner_text())
+            assert abs(shown_rate - s["request_rate"]) <= 0.05 * s["request_rate"] + 0.01
+            assert "target 800" in card.inner_text()  # the TTFT target drawn against the series
+            assert card.locator("svg .target").count() >= 2 and card.locator("svg path.line").count() == 6
+            # the planner's decision and its reason
+            decisions = page.locator("#decisions")
+            assert first.pools[0].reason[:40] in decisions.inner_text()
+            page.screenshot(path=str(SHOTS / "dashboard-overview.png"), full_page=True)
+
+            # a bad value: the API's validation message is shown and nothing is saved
+            row = page.locator(f'#editor tr[data-pool="{pid}"]')
+            page.fill("#token", TOKEN)
+            row.locator('input[name="ttft_p90_ms"]').fill("-5")
+            page.click("#save-targets")
+            msg = page.locator("#targets-msg")
+            page.wait_for_selector("#targets-msg.error", timeout=10_000)
+            assert "ttft_p90_ms" in msg.inner_text() and "greater than 0" in msg.inner_text(), msg.inner_text()
+            assert client.get(url + "/admin/targets", headers=_admin()).json()["version"] == v1
+
+            # a wrong token is refused too
+            page.fill("#token", "not-the-token")
+            row.locator('input[name="ttft_p90_ms"]').fill("250")
+            page.click("#save-targets")
+            page.wait_for_function("document.getElementById('targets-msg').textContent.includes('401')", timeout=10_000)
+
+            # a good value: saved as the next version
+            page.fill("#token", TOKEN)
+            row.locator('input[name="ttft_p90_ms"]').fill("250")
+            row.locator('input[name="tokens_per_s"]').fill("40000")
+            row.locator('input[name="max_replicas"]').fill("12")
+            page.click("#save-targets")
+            page.wait_for_selector("#targets-msg.ok", timeout=10_000)
+            assert msg.inner_text() == f"saved: targets are now version {v1 + 1}"
+            assert page.evaluate("sessionStorage.getItem('kvyard-admin-token')") == TOKEN
+            got = client.get(url + "/admin/targets", headers=_admin()).json()
+            assert got["version"] == v1 + 1
+            pt = got["targets"]["pools"][0]
+            assert (pt["ttft_p90_ms"], pt["tokens_per_s"], pt["itl_p90_ms"], pt["max_replicas"]) == (250, 40000, 60, 12)
+            assert got["targets"]["gpu_budget"] == 8
+
+            # the planner's next tick reads the new version and sizes for the new tokens/s target
+            d = _planner_tick(prefix, pool_key, 2)
+            assert d.targets_version == v1 + 1
+            assert "tokens/s target 40000" in d.pools[0].reason and d.pools[0].desired > 2, d.pools[0].reason
+            page.click("#reload-targets")
+            page.wait_for_function("document.getElementById('decisions').textContent.includes('tokens/s target 40000')", timeout=10_000)
+            assert "target 250" in card.inner_text()
+            assert page.locator("#targets-version").inner_text() == f"version {v1 + 1}"
+            page.screenshot(path=str(SHOTS / "dashboard-after-edit.png"), full_page=True)
+            assert not errors, errors
+        finally:
+            browser.close()
