@@ -21,7 +21,15 @@ import logging
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from orchestrator.errors import AuthenticationError, BadRequestError, KvyardError, ServiceUnavailableError, error_response
+from orchestrator.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    KvyardError,
+    NotFoundError,
+    ServiceUnavailableError,
+    error_response,
+)
 from workers.telemetry.store import TelemetryStore, TelemetryUnavailableError
 from workers.telemetry.targets import (
     TargetsConflictError,
@@ -31,21 +39,9 @@ from workers.telemetry.targets import (
     parse_targets,
 )
 
-__all__ = ["make_admin_router", "ConflictError", "NotFoundError"]
+__all__ = ["make_admin_router"]
 
 log = logging.getLogger("kvyard.admin")
-
-
-class ConflictError(KvyardError):
-    status = 409
-    type = "invalid_request_error"
-    code = "version_conflict"
-
-
-class NotFoundError(KvyardError):
-    status = 404
-    type = "not_found_error"
-    code = "not_found"
 
 
 def _limit(request: Request, default: int) -> int:

@@ -4,7 +4,9 @@
     ├── BadRequestError          400 invalid_request_error
     │   └── ContextLengthError   400 invalid_request_error / context_length_exceeded
     ├── AuthenticationError      401 authentication_error
-    ├── ModelNotFoundError       404 not_found_error / model_not_found
+    ├── NotFoundError            404 not_found_error / not_found
+    │   └── ModelNotFoundError   404 not_found_error / model_not_found
+    ├── ConflictError            409 invalid_request_error / version_conflict
     ├── PayloadTooLargeError     413 invalid_request_error / payload_too_large
     ├── RateLimitError           429 rate_limit_error (Retry-After)
     ├── ServiceUnavailableError  503 service_unavailable (Retry-After)
@@ -26,6 +28,8 @@ __all__ = [
     "ContextLengthError",
     "AuthenticationError",
     "ModelNotFoundError",
+    "NotFoundError",
+    "ConflictError",
     "PayloadTooLargeError",
     "RateLimitError",
     "ServiceUnavailableError",
@@ -64,10 +68,20 @@ class AuthenticationError(KvyardError):
     code = "invalid_api_key"
 
 
-class ModelNotFoundError(KvyardError):
+class NotFoundError(KvyardError):
     status = 404
     type = "not_found_error"
+    code = "not_found"
+
+
+class ModelNotFoundError(NotFoundError):
     code = "model_not_found"
+
+
+class ConflictError(KvyardError):
+    status = 409
+    type = "invalid_request_error"
+    code = "version_conflict"
 
 
 class PayloadTooLargeError(KvyardError):
