@@ -168,7 +168,10 @@ class Cluster:
         self.ports = [args.base_port + i for i in range(args.workers)]
         cfg = tmp / f"up-{policy}-{num_gpu_blocks}.yaml"
         logs = tmp / f"logs-{policy}-{num_gpu_blocks}"
-        cfg.write_text(json.dumps({"engine_args": ["--num-gpu-blocks", str(num_gpu_blocks)], "log_dir": str(logs)}))
+        conf = {"engine_args": ["--num-gpu-blocks", str(num_gpu_blocks)], "log_dir": str(logs)}
+        if args.kv_overlap_weight is not None:
+            conf["frontend"] = {"kv_overlap_weight": args.kv_overlap_weight}
+        cfg.write_text(json.dumps(conf))
         self.cmd = [sys.executable, "-m", "orchestrator", "--log-level", "warning", "up", "--workers", str(args.workers),
                     "--policy", policy, "--speedup", str(args.speedup), "--port", str(args.port), "--base-port",
                     str(args.base_port), "--grpc-port", "0", "--block-size", str(args.block_size), "--max-model-len",
@@ -417,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sp-num-gpu-blocks", type=int, default=16384)
     ap.add_argument("--sp-policies", default="kv,round-robin")
     ap.add_argument("--skip", default="", help="comma list of: trace, unloaded, shared")
+    ap.add_argument("--kv-overlap-weight", type=float, default=None, help="frontend kv_overlap_weight (default: the frontend's, 1.0)")
     ap.add_argument("--out", default="routing", help="results/<out>.json, .md, .png")
     return ap
 
