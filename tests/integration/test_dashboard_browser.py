@@ -180,7 +180,7 @@ def test_dashboard_shows_telemetry_and_edits_targets(stack):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(url + "/dashboard")
+            page.goto(url + "/dashboard?window=60")  # a one-minute time axis: the load ran for seconds
             card = page.locator(f'.pool[data-pool="{pid}"]')
             card.wait_for(timeout=15_000)
             page.wait_for_function("document.getElementById('worker-count') !== null", timeout=10_000)
