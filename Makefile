@@ -24,6 +24,7 @@ run: install
 	$(BIN)/kvyard up $(ARGS)
 
 test: install vllm redis
+	bash scripts/install_browser.sh
 	$(BIN)/pytest $(ARGS)
 
 test-fast: install
