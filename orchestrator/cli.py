@@ -62,6 +62,9 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--block-size", type=int, default=None)
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--speedup", type=float, default=None, help="sim only: divide simulated step times by this (default 1)")
+    up.add_argument("--planner", action="store_true", help="run the planner in-process; it scales the local workers")
+    up.add_argument("--planner-interval", type=float, default=30.0, help="seconds between planner ticks (default 30)")
+    up.add_argument("--planner-advisory", action="store_true", help="decide and record, never apply")
 
     wk = sub.add_parser("worker", help="run one engine and register it")
     wk.add_argument("--backend", required=True, choices=["sim", "vllm"])
@@ -144,7 +147,23 @@ async def _run_up(ns: argparse.Namespace) -> int:
           f"  OpenAI endpoint  {base}/v1\n  dashboard        {base}/dashboard\n  metrics          {base}/metrics\n"
           + (f"  KServe v2 gRPC   {fcfg.host}:{fcfg.grpc_port}\n" if fcfg.grpc_port else "") +
           f"  engine logs      {ccfg.log_dir}/\nPress Ctrl-C to stop.", flush=True)
+    planner = connector = None
+    if ns.planner:
+        from orchestrator.local_scaling import local_connector
+        from planner.config import PlannerConfig
+        from planner.service import embedded_planner
+
+        pcfg = PlannerConfig(interval_s=ns.planner_interval, advisory=ns.planner_advisory,
+                             default_profile=ccfg.model if ccfg.backend == "sim" else "h200-llama3.1-8b")
+        connector = local_connector(cluster)
+        planner, _, _ = embedded_planner(pcfg, connector, telemetry=app.state.telemetry_store, targets=app.state.targets)
+        planner.start()
+        print(f"  planner          every {pcfg.interval_s:.0f}s, mode {pcfg.mode}{' (advisory)' if pcfg.advisory else ''};"
+              " set targets on the dashboard or PUT /admin/targets", flush=True)
     await asyncio.wait({serve_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if planner is not None:  # planner first, then its connector, then the workers
+        await planner.close()
+        await connector.close()
     server.should_exit = True
     await serve_task
     await cluster.stop()
