@@ -18,6 +18,7 @@ import sys
 import uvicorn
 
 from orchestrator.config import ClusterConfig, FrontendConfig, load_yaml
+from orchestrator.planner_cmd import add_planner_parser, run_planner_command
 from router import policy_names
 from workers.types import WorkerRole
 
@@ -88,8 +89,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     fe = sub.add_parser("frontend", help="run the OpenAI frontend over workers in Redis")
     _frontend_args(fe)
-    bench = sub.add_parser("bench", help="run a benchmark (routing: benchmarks/routing.py; its flags follow)")
-    bench.add_argument("name", choices=["routing"])
+    add_planner_parser(sub)
+
+    bench = sub.add_parser("bench", help="run a benchmark (routing: benchmarks/routing.py, planner: benchmarks/planner_sim.py; "
+                                         "their flags follow)")
+    bench.add_argument("name", choices=["routing", "planner"])
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     return ap
 
@@ -153,8 +157,18 @@ async def _run_up(ns: argparse.Namespace) -> int:
         from planner.config import PlannerConfig
         from planner.service import embedded_planner
 
+        from workers.telemetry.targets import TargetsConflictError, parse_targets
+
+        # the sim's step times come from a profile, so SLA sizing applies; real vLLM on a CPU has no profile
         pcfg = PlannerConfig(interval_s=ns.planner_interval, advisory=ns.planner_advisory,
+                             mode="hybrid" if ccfg.backend == "sim" else "load",
                              default_profile=ccfg.model if ccfg.backend == "sim" else "h200-llama3.1-8b")
+        try:  # bounds to start from; the dashboard or PUT /admin/targets adds TTFT/ITL/tokens-per-second targets
+            await app.state.targets.put(parse_targets({"pools": [{"model": ccfg.served_model_name, "role": "both",
+                                                                  "min_replicas": 1, "max_replicas": max(ccfg.workers, 4)}]}),
+                                        expected_version=0, actor="kvyard up")
+        except TargetsConflictError:
+            pass  # targets already stored (shared Redis): keep them
         connector = local_connector(cluster)
         planner, _, _ = embedded_planner(pcfg, connector, telemetry=app.state.telemetry_store, targets=app.state.targets)
         planner.start()
@@ -236,10 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(ns.log_level)
     if ns.command == "bench":  # benchmarks/ lives beside the packages, not inside them
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from benchmarks.routing import main as bench_main
+        if ns.name == "planner":
+            from benchmarks.planner_sim import main as bench_main
+        else:
+            from benchmarks.routing import main as bench_main
 
         return bench_main(ns.bench_args)
-    runner = {"up": _run_up, "worker": _run_worker, "frontend": _run_frontend}[ns.command]
+    runner = {"up": _run_up, "worker": _run_worker, "frontend": _run_frontend, "planner": run_planner_command}[ns.command]
     try:
         return _event_loop_runner()(runner(ns))
     except KeyboardInterrupt:
