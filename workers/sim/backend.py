@@ -8,12 +8,12 @@ tokenizes with the bundled tokenizer at `SIM_TOKENIZER_DIR`.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from workers.kv_events import KvEventBatch
 from workers.types import EngineLaunchConfig, EngineMetrics, LaunchSpec
+from workers.vllm.backend import server_args
 from workers.vllm.kv_events import decode_pub_frames
 
 __all__ = ["SIM_TOKENIZER_DIR", "SimBackend", "sim_tokenizer_path"]
@@ -31,27 +31,8 @@ class SimBackend:
     health_path = "/health"
 
     def launch_spec(self, cfg: EngineLaunchConfig) -> LaunchSpec:
-        argv = [
-            cfg.python or sys.executable, "-m", "workers.sim",
-            "--host", cfg.host,
-            "--port", str(cfg.port),
-            "--model", cfg.model,
-            "--served-model-name", cfg.served_model_name,
-            "--block-size", str(cfg.block_size),
-            "--max-model-len", str(cfg.max_model_len),
-            "--max-num-seqs", str(cfg.max_num_seqs),
-            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-        ]
-        if cfg.kv_events_endpoint:
-            kv = {
-                "enable_kv_cache_events": True,
-                "publisher": "zmq",
-                "endpoint": cfg.kv_events_endpoint,
-                "replay_endpoint": cfg.kv_replay_endpoint,
-                "topic": cfg.kv_events_topic,
-            }
-            argv += ["--kv-events-config", json.dumps(kv)]
-        argv += list(cfg.extra_args)
+        # the sim takes vLLM's own server flags (cfg.model names its profile)
+        argv = [cfg.python or sys.executable, "-m", "workers.sim", *server_args(cfg), *cfg.extra_args]
         return LaunchSpec(argv=argv, env=dict(cfg.env))
 
     def parse_metrics(self, text: str) -> EngineMetrics:

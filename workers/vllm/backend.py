@@ -23,7 +23,7 @@ from workers.types import EngineLaunchConfig, EngineMetrics, LaunchSpec
 from workers.vllm.kv_events import decode_pub_frames
 from workers.vllm.metrics import parse_vllm_metrics
 
-__all__ = ["VllmBackend", "VllmLaunchError", "VllmNotInstalledError", "find_vllm_python", "REPO_ROOT"]
+__all__ = ["kv_events_config", "server_args", "VllmBackend", "VllmLaunchError", "VllmNotInstalledError", "find_vllm_python", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_NAME = ".venv-vllm"
@@ -62,6 +62,39 @@ def _host_ip(host: str) -> str:
     return "127.0.0.1" if addr.is_unspecified else host
 
 
+def kv_events_config(cfg: EngineLaunchConfig) -> dict[str, object] | None:
+    """vLLM's `--kv-events-config` JSON for the launch config, or None when events are off."""
+    if not cfg.kv_events_endpoint:
+        return None
+    config: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": cfg.kv_events_endpoint,
+        "topic": cfg.kv_events_topic,
+    }
+    if cfg.kv_replay_endpoint:
+        config["replay_endpoint"] = cfg.kv_replay_endpoint
+    return config
+
+
+def server_args(cfg: EngineLaunchConfig) -> list[str]:
+    """The vLLM OpenAI-server flags for a launch config (the sim engine takes the same ones)."""
+    argv = [
+        "--model", cfg.model,
+        "--served-model-name", cfg.served_model_name,
+        "--host", cfg.host,
+        "--port", str(cfg.port),
+        "--max-model-len", str(cfg.max_model_len),
+        "--block-size", str(cfg.block_size),
+        "--max-num-seqs", str(cfg.max_num_seqs),
+        "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+    ]  # fmt: skip
+    events = kv_events_config(cfg)
+    if events is not None:
+        argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
+    return argv
+
+
 class VllmBackend:
     name = "vllm"
     health_path = "/health"
@@ -95,35 +128,12 @@ class VllmBackend:
             raise VllmLaunchError("a KV replay endpoint needs a KV events endpoint")
 
     def kv_events_config(self, cfg: EngineLaunchConfig) -> dict[str, object] | None:
-        if not cfg.kv_events_endpoint:
-            return None
-        config: dict[str, object] = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": cfg.kv_events_endpoint,
-            "topic": cfg.kv_events_topic,
-        }
-        if cfg.kv_replay_endpoint:
-            config["replay_endpoint"] = cfg.kv_replay_endpoint
-        return config
+        return kv_events_config(cfg)
 
     def launch_spec(self, cfg: EngineLaunchConfig) -> LaunchSpec:
         self.validate(cfg)
         python = cfg.python or find_vllm_python()
-        argv = [
-            python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", cfg.model,
-            "--served-model-name", cfg.served_model_name,
-            "--host", cfg.host,
-            "--port", str(cfg.port),
-            "--max-model-len", str(cfg.max_model_len),
-            "--block-size", str(cfg.block_size),
-            "--max-num-seqs", str(cfg.max_num_seqs),
-            "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-        ]  # fmt: skip
-        events = self.kv_events_config(cfg)
-        if events is not None:
-            argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", *server_args(cfg)]
         env: dict[str, str] = {}
         if self.device == "cpu":
             argv += ["--enforce-eager", "--dtype", "bfloat16"]
