@@ -14,7 +14,6 @@ text (a later chat turn) gives back the same ids.
 
 from __future__ import annotations
 
-import json
 import re
 import zlib
 from array import array
@@ -23,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+from workers.chat_template import ChatTemplate, read_tokenizer_config
 
 __all__ = ["TOKENIZER_DIR", "TEXT_LENGTH", "SimTokenizer", "TextSource"]
 
@@ -38,14 +38,8 @@ class SimTokenizer:
         path = Path(path)
         self.path = path
         self._tk = Tokenizer.from_file(str(path / "tokenizer.json"))
-        cfg_file = path / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
-        template = self.config.get("chat_template")
-        tpl_file = path / "chat_template.jinja"
-        if tpl_file.exists():
-            template = tpl_file.read_text()
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template = env.from_string(template) if template else None
+        self.config: dict[str, Any] = read_tokenizer_config(path)
+        self._template = ChatTemplate(path, self.config)
         eos = self.config.get("eos_token")
         self.eos_token_id = self._tk.token_to_id(eos) if isinstance(eos, str) else None
         self.vocab_size = self._tk.get_vocab_size()
@@ -61,9 +55,7 @@ class SimTokenizer:
         return self._tk.id_to_token(i)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        if self._template is None:
-            raise ValueError("the tokenizer has no chat template")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self._template.render(messages, add_generation_prompt, **kwargs)
 
     @property
     def max_chars_per_token(self) -> int:
