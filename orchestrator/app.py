@@ -127,8 +127,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
 
     @app.get("/metrics")
     async def prom() -> Response:
-        for key in list(metrics.workers._metrics):  # re-derive the worker gauge from the live view
-            metrics.workers.remove(*key)
+        metrics.workers.clear()  # re-derived from the live view on each scrape
         for w in pool.workers.values():
             metrics.workers.labels(w.info.model, w.info.state.value).inc()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
