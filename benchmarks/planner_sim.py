@@ -29,9 +29,23 @@ from benchmarks.planner_model import DisaggSim, Requests, SimConfig, cached_toke
 from benchmarks.planner_policies import KedaPolicy, PlannerPolicy, oracle_minute
 from planner.config import PlannerConfig
 from planner.perf_model import load_perf_model
+from planner.predictors import PREDICTORS
 
 HERE = Path(__file__).resolve().parent
 TRACE = HERE / "data" / "mooncake_conversation_trace.jsonl"
+
+
+# planner variants run beside the default one (--variants): what each changes in the PlannerConfig
+VARIANTS: dict[str, dict] = {
+    "before": {"predictor": "kalman", "net_of_sampling_noise": False, "hybrid_prefill_queue": True},  # the earlier defaults
+    "kalman": {"predictor": "kalman"},
+    "peak_trend": {"predictor": "peak_trend"},
+    "prefill_queue": {"hybrid_prefill_queue": True},
+    "peak_trend+prefill_queue": {"predictor": "peak_trend", "hybrid_prefill_queue": True},
+    "net_noise": {"net_of_sampling_noise": True},
+    "peak_trend+net_noise": {"predictor": "peak_trend", "net_of_sampling_noise": True},
+    "sla": {"mode": "sla"},
+}
 
 
 def load_trace(path: Path = TRACE) -> list[dict]:
@@ -90,10 +104,13 @@ async def run_policy(name: str, reqs: Requests, perf, args, schedule: list[tuple
     minutes = int(math.ceil(end / 60.0))
     per_min = int(round(60.0 / cfg.slice_s))
     policy = None
-    if name == "planner":
+    if name.startswith("planner"):
         pcfg = PlannerConfig(predictor=args.predictor, interval_s=args.interval, window_s=args.window, lookahead_s=args.startup,
                              scale_down_cooldown_s=args.cooldown, scale_down_window_s=args.down_window, stale_after_s=30, max_step=args.max_step,
-                             demand_z=args.demand_z, max_headroom=args.max_headroom, mode=args.mode)
+                             demand_z=args.demand_z, max_headroom=args.max_headroom, mode=args.mode, peak_window=args.peak_window,
+                             net_of_sampling_noise=args.net_headroom, hybrid_prefill_queue=args.hybrid_prefill_queue)
+        if ":" in name:  # a variant: the same run with some planner settings changed
+            pcfg = pcfg.model_copy(update=VARIANTS[name.split(":", 1)[1]])
         targets = {"pools": [{"model": "llama-3.1-8b", "role": role, "ttft_p90_ms": args.ttft, "itl_p90_ms": args.itl,
                               "min_replicas": 1, "max_replicas": args.pmax} for role in ("prefill", "decode")]}
         policy = PlannerPolicy(sim, perf, pcfg, targets)
@@ -130,7 +147,8 @@ async def run_policy(name: str, reqs: Requests, perf, args, schedule: list[tuple
     met = sum(r["ok"] for r in rows)
     out = {"policy": name, "minutes": minutes, "minutes_met": met, "attainment": met / minutes, "gpu_seconds": sim.gpu_s,
            "requests": len(reqs), "wall_s": round(time.perf_counter() - t0, 1), "per_minute": rows}
-    if name == "planner":
+    if name.startswith("planner"):
+        out["planner_config"] = pcfg.model_dump(exclude={"load", "profiles"})
         out["decisions"] = [d for d in await policy.store.recent_decisions(1000) if any(p["changed"] for p in d["pools"])][::-1][:400]
     return out
 
@@ -143,6 +161,8 @@ def plot(workload: str, results: dict[str, dict], args, path: Path) -> None:
 
     fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
     for name, res in results.items():
+        if ":" in name:  # variants are in the JSON and the report, not the plot
+            continue
         mins = [r["minute"] for r in res["per_minute"]]
         axes[0].step(mins, [r["prefill"] for r in res["per_minute"]], where="post", label=name)
         axes[1].step(mins, [r["decode"] for r in res["per_minute"]], where="post", label=name)
@@ -156,7 +176,7 @@ def plot(workload: str, results: dict[str, dict], args, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(ncol=4, fontsize=8)
     axes[-1].set_xlabel("minute")
-    summary = ", ".join(f"{n}: {r['attainment']:.1%} / {r['gpu_seconds'] / 3600:.1f} GPU-h" for n, r in results.items())
+    summary = ", ".join(f"{n}: {r['attainment']:.1%} / {r['gpu_seconds'] / 3600:.1f} GPU-h" for n, r in results.items() if ":" not in n)
     fig.suptitle(f"planner benchmark — {workload}\n{summary}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -186,6 +206,8 @@ async def bench(workload: str, rows: list[dict], perf, args) -> dict:
     results["static"] = await run_policy("static", reqs, perf, args, schedule=[peak], start=peak)
     results["keda"] = await run_policy("keda", reqs, perf, args, start=first)
     results["planner"] = await run_policy("planner", reqs, perf, args, start=first)
+    for v in filter(None, args.variants.split(",")):
+        results[f"planner:{v}"] = await run_policy(f"planner:{v}", reqs, perf, args, start=first)
     oracle_gpu = results["oracle"]["gpu_seconds"]
     for name, r in results.items():
         r["gpu_vs_oracle"] = r["gpu_seconds"] / oracle_gpu
@@ -212,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cooldown", type=float, default=60.0, help="planner scale-down cooldown, s")
     ap.add_argument("--down-window", type=float, default=120.0, help="planner scale-down stabilization window, s")
     ap.add_argument("--max-step", type=int, default=8)
-    ap.add_argument("--predictor", default="kalman")
+    ap.add_argument("--predictor", default="peak_trend", choices=list(PREDICTORS))
+    ap.add_argument("--peak-window", type=int, default=2, help="peak_trend: ticks whose highest rate floors the forecast")
+    ap.add_argument("--hybrid-prefill-queue", action="store_true", help="hybrid: a prefill queue adds load corrections "
+                                                                        "(before: yes; now only TTFT p90 over target does)")
+    ap.add_argument("--net-headroom", action="store_true", help="headroom from the forecast error net of sampling noise")
     ap.add_argument("--mode", default="hybrid", choices=["sla", "load", "hybrid"])
     ap.add_argument("--demand-z", type=float, default=1.28)
     ap.add_argument("--max-headroom", type=float, default=1.5)
@@ -221,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dmax", type=int, default=32)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--variants", default="before,kalman,peak_trend+prefill_queue", help=f"comma-separated planner variants run beside it: {', '.join(VARIANTS)}")
     ap.add_argument("--only", default="", help="comma-separated policies to run alone (tuning; no oracle, no plot)")
     ap.add_argument("--start", type=int, nargs=2, default=None, help="with --only: initial prefill decode replicas")
     args = ap.parse_args(argv)

@@ -7,14 +7,14 @@
     GET  /admin/targets/history    ?limit=20 -> {"data": [VersionedTargets, ...]} newest first
     GET  /admin/planner/decisions  ?limit=50 -> {"data": [decision records]} newest first (if a
                                    telemetry store is given)
-Every route needs `Authorization: Bearer <admin token>` (compared in constant time); with no token
-configured the admin API refuses everything (401). Errors are OpenAI-style JSON via
-orchestrator.errors.error_response.
+Every route needs `Authorization: Bearer <admin token>` (compared in constant time; 401 otherwise).
+With no token configured the admin API is disabled: writes are refused 403 `admin_disabled`, and so
+are reads unless the AdminGuard allows loopback reads (orchestrator/security/guards.py). Errors are
+OpenAI-style JSON via orchestrator.errors.error_response.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 
@@ -22,7 +22,6 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from orchestrator.errors import (
-    AuthenticationError,
     BadRequestError,
     ConflictError,
     KvyardError,
@@ -30,6 +29,7 @@ from orchestrator.errors import (
     ServiceUnavailableError,
     error_response,
 )
+from orchestrator.security.guards import AdminGuard
 from workers.telemetry.store import TelemetryStore, TelemetryUnavailableError
 from workers.telemetry.targets import (
     TargetsConflictError,
@@ -51,21 +51,15 @@ def _limit(request: Request, default: int) -> int:
     return int(raw)
 
 
-def make_admin_router(targets: TargetsStore, admin_token: str | None, telemetry: TelemetryStore | None = None,
+def make_admin_router(targets: TargetsStore, admin: AdminGuard | str | None, telemetry: TelemetryStore | None = None,
                       prefix: str = "/admin") -> APIRouter:
+    """`admin`: the app's AdminGuard, or a token (None: disabled) for a router used on its own."""
     router = APIRouter(prefix=prefix)
-
-    def authorize(request: Request) -> str:
-        if not admin_token:
-            raise AuthenticationError("the admin API is disabled: no admin token is configured", code="admin_disabled")
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_token.encode()):
-            raise AuthenticationError("missing or invalid admin bearer token")
-        return "admin"
+    guard = admin if isinstance(admin, AdminGuard) else AdminGuard(admin)
 
     async def guarded(request: Request, fn) -> Response:
         try:
-            actor = authorize(request)
+            actor = guard.check(request.headers, request.client.host if request.client else None, write=request.method != "GET")
             return await fn(actor)
         except KvyardError as exc:
             return error_response(exc)

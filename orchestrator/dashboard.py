@@ -11,8 +11,9 @@
             "targets": {"version", "updated_at", "gpu_budget"} or null,
             "decisions": the planner's newest decisions (reasons included), newest first}
 
-No authentication: these are the same numbers /metrics exposes and hold no secrets (the admin token
-never appears here). Writes go through /admin/targets (orchestrator/admin.py), which needs the token.
+An admin read: `Authorization: Bearer <admin token>`, or a loopback client when the AdminGuard allows
+loopback reads (orchestrator/security/guards.py); the admin token never appears in the body. Writes go
+through /admin/targets (orchestrator/admin.py).
 Rates of the newest, still-filling bucket are divided by the seconds it has covered so far.
 """
 
@@ -21,10 +22,11 @@ from __future__ import annotations
 import logging
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
 from orchestrator.errors import BadRequestError, error_response
+from orchestrator.security.guards import AdminGuard
 from workers.telemetry.schema import PoolBucket, PoolKey, merge_buckets
 from workers.telemetry.store import TelemetryUnavailableError
 from workers.telemetry.targets import TargetsUnavailableError
@@ -59,9 +61,13 @@ def bucket_point(b: PoolBucket, covered_s: float) -> dict:
     }
 
 
-def make_dashboard_router() -> APIRouter:
+def make_dashboard_router(admin: AdminGuard) -> APIRouter:
     """Reads request.app.state.{telemetry_store, targets, pool}, as create_app sets them."""
-    router = APIRouter()
+
+    def admin_read(request: Request) -> str:
+        return admin.check(request.headers, request.client.host if request.client else None, write=False)
+
+    router = APIRouter(dependencies=[Depends(admin_read)])
 
     @router.get("/api/pools")
     async def pools(request: Request) -> Response:

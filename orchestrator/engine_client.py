@@ -5,6 +5,10 @@ aiohttp's C HTTP parser reads a streamed chunk in a fraction of the CPU that htt
 uses it. Its errors are translated here into two of ours:
     EngineUnreachableError  nothing was received (connect refused/timed out): safe to retry elsewhere
     EngineStreamError       the engine failed after answering: the response is partial
+
+Every wait has a deadline: connect (connect_timeout_s), the response headers (`headers_timeout_s`
+of `post`), each read of the body (`read_timeout_s`, aiohttp's sock_read: the longest silence), and
+the whole exchange (`total_s`, the request's remaining deadline).
 """
 
 from __future__ import annotations
@@ -68,15 +72,27 @@ class EngineClient:
             )
         return self._session
 
-    async def post(self, url: str, payload: bytes, headers: dict[str, str], read_timeout_s: float) -> EngineResponse:
-        timeout = aiohttp.ClientTimeout(total=None, connect=self._connect_timeout_s, sock_read=read_timeout_s)
+    async def post(self, url: str, payload: bytes, headers: dict[str, str], read_timeout_s: float,
+                   headers_timeout_s: float | None = None, total_s: float | None = None) -> EngineResponse:
+        """POST and wait for the response headers (at most `headers_timeout_s`); the body is read later."""
+        timeout = aiohttp.ClientTimeout(total=total_s, connect=self._connect_timeout_s, sock_read=read_timeout_s)
         try:
-            resp = await self._get_session().post(url, data=payload, headers=headers, timeout=timeout)
+            call = self._get_session().post(url, data=payload, headers=headers, timeout=timeout)
+            resp = await (asyncio.wait_for(call, headers_timeout_s) if headers_timeout_s else call)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as exc:
             raise EngineUnreachableError(f"{type(exc).__name__}: {exc}") from exc
         except aiohttp.ClientError as exc:
             raise EngineUnreachableError(f"{type(exc).__name__}: {exc}") from exc
         return EngineResponse(resp)
+
+    async def healthy(self, url: str, timeout_s: float) -> bool:
+        """GET url (an engine's /health) within timeout_s: True on a 200."""
+        try:
+            async with self._get_session().get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
 
     async def close(self) -> None:
         if self._session is not None:

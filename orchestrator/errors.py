@@ -4,6 +4,7 @@
     ├── BadRequestError          400 invalid_request_error
     │   └── ContextLengthError   400 invalid_request_error / context_length_exceeded
     ├── AuthenticationError      401 authentication_error
+    ├── PermissionDeniedError    403 permission_error
     ├── NotFoundError            404 not_found_error / not_found
     │   └── ModelNotFoundError   404 not_found_error / model_not_found
     ├── ConflictError            409 invalid_request_error / version_conflict
@@ -27,6 +28,7 @@ __all__ = [
     "BadRequestError",
     "ContextLengthError",
     "AuthenticationError",
+    "PermissionDeniedError",
     "ModelNotFoundError",
     "NotFoundError",
     "ConflictError",
@@ -43,6 +45,7 @@ class KvyardError(Exception):
     status = 500
     type = "internal_error"
     code: str | None = None
+    headers: dict[str, str] | None = None  # extra response headers (e.g. x-ratelimit-* on a 429)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -66,6 +69,12 @@ class AuthenticationError(KvyardError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+
+class PermissionDeniedError(KvyardError):
+    status = 403
+    type = "permission_error"
+    code = "permission_denied"
 
 
 class NotFoundError(KvyardError):
@@ -113,7 +122,7 @@ def error_body(exc: KvyardError) -> dict:
 
 
 def error_response(exc: KvyardError) -> Response:
-    headers = {}
+    headers = dict(exc.headers or {})
     if exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, int(round(exc.retry_after))))
     return Response(json.dumps(error_body(exc)), status_code=exc.status, media_type="application/json", headers=headers)

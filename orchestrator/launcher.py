@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import tempfile
 from pathlib import Path
 
 from orchestrator.config import ClusterConfig
 from workers.discovery import Discovery
 from workers.registry import get_backend
-from workers.types import EngineLaunchConfig
+from orchestrator.disagg.launch import pd_launch
+from workers.types import EngineLaunchConfig, WorkerRole
 from workers.worker import WorkerOptions, WorkerSupervisor
 
-__all__ = ["LocalCluster", "default_tokenizer"]
+__all__ = ["LocalCluster", "default_tokenizer", "engine_config", "port_is_free"]
 
 log = logging.getLogger("kvyard.launcher")
 
@@ -32,6 +34,27 @@ def default_tokenizer(backend: str, model: str) -> str | None:
     return str(path) if (path / "tokenizer.json").exists() else None
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could bind `port` on `host` now (a plain bind, as strict as an engine's)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def engine_config(c: ClusterConfig, port: int, kv_events_endpoint: str | None, kv_replay_endpoint: str | None,
+                  host: str = "127.0.0.1") -> EngineLaunchConfig:
+    """One engine of the cluster `c` (local processes and Ray actors alike)."""
+    extra = list(c.engine_args)
+    if c.backend == "sim":
+        extra += ["--speedup", str(c.speedup)]
+    return EngineLaunchConfig(model=c.model, served_model_name=c.served_model_name, host=host, port=port, block_size=c.block_size,
+                              max_model_len=c.max_model_len, kv_events_endpoint=kv_events_endpoint,
+                              kv_replay_endpoint=kv_replay_endpoint, extra_args=extra)
+
+
 class LocalCluster:
     def __init__(self, cfg: ClusterConfig, discovery: Discovery) -> None:
         self.cfg = cfg
@@ -40,29 +63,51 @@ class LocalCluster:
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvyard-"))
         self.supervisors: list[WorkerSupervisor] = []
         self._tasks: list[asyncio.Task] = []
+        self._ports: dict[int, int] = {}  # worker index -> engine port
+
+    def engine_port(self, i: int) -> int:
+        """Worker i's engine port: base_port + i, or the next free one above it when something else holds it.
+
+        Engines are started together, so a port taken by another program (or an outgoing connection's
+        ephemeral port) would otherwise fail the whole `kvyard up`; the URL each worker registers is the one
+        it got, so frontends follow."""
+        if i not in self._ports:
+            taken = set(self._ports.values())
+            port = self.cfg.base_port + i
+            while port in taken or not port_is_free(port):
+                port += 1
+            if port != self.cfg.base_port + i:
+                log.warning("port %d is in use: worker %d's engine listens on %d", self.cfg.base_port + i, i, port)
+            self._ports[i] = port
+        return self._ports[i]
 
     def _engine_cfg(self, i: int) -> EngineLaunchConfig:
+        return engine_config(self.cfg, self.engine_port(i), f"ipc://{self.run_dir}/w{i}-kv.sock", f"ipc://{self.run_dir}/w{i}-replay.sock")
+
+    def roles(self) -> list[WorkerRole]:
+        """The role of each worker: prefill_workers + decode_workers when set (disaggregated), else `workers` x both."""
         c = self.cfg
-        extra = list(c.engine_args)
-        if c.backend == "sim":
-            extra += ["--speedup", str(c.speedup)]
-        return EngineLaunchConfig(
-            model=c.model,
-            served_model_name=c.served_model_name,
-            port=c.base_port + i,
-            block_size=c.block_size,
-            max_model_len=c.max_model_len,
-            kv_events_endpoint=f"ipc://{self.run_dir}/w{i}-kv.sock",
-            kv_replay_endpoint=f"ipc://{self.run_dir}/w{i}-replay.sock",
-            extra_args=extra,
-        )
+        if c.prefill_workers or c.decode_workers:
+            return [WorkerRole.PREFILL] * c.prefill_workers + [WorkerRole.DECODE] * c.decode_workers
+        return [WorkerRole.BOTH] * c.workers
+
+    def make_supervisor(self, i: int, role: WorkerRole, tokenizer: str | None) -> WorkerSupervisor:
+        """Worker i in `role`: its engine gets the flavor's hand-off flags (orchestrator/disagg/launch.py)."""
+        cfg = self._engine_cfg(i)
+        on_cpu = self.cfg.backend == "vllm" and getattr(self.backend, "device", None) == "cpu"
+        pd = pd_launch(self.cfg.backend, self.cfg.flavor, role, kv_buffer_device="cpu" if on_cpu else None)
+        cfg.extra_args += pd.extra_args
+        cfg.env.update(pd.env)
+        opts = WorkerOptions(role=role, tokenizer=tokenizer, worker_id=f"{self.cfg.backend}-{role.value}-{i}" if role != WorkerRole.BOTH
+                             else f"{self.cfg.backend}-{i}", log_path=str(self.cfg.log_dir / f"worker-{i}.log"),
+                             start_timeout_s=self.cfg.engine_start_timeout_s, pd_protocol=pd.pd_protocol, bootstrap_port=pd.bootstrap_port)
+        return WorkerSupervisor(self.backend, cfg, self.discovery, opts)
 
     async def start(self) -> None:
         tok = default_tokenizer(self.cfg.backend, self.cfg.model)
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
-        for i in range(self.cfg.workers):
-            opts = WorkerOptions(tokenizer=tok, worker_id=f"{self.cfg.backend}-{i}", log_path=str(self.cfg.log_dir / f"worker-{i}.log"))
-            self.supervisors.append(WorkerSupervisor(self.backend, self._engine_cfg(i), self.discovery, opts))
+        for i, role in enumerate(self.roles()):
+            self.supervisors.append(self.make_supervisor(i, role, tok))
         results = await asyncio.gather(*(s.start() for s in self.supervisors), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

@@ -1,8 +1,8 @@
 """Planner connector for `kvyard up`: a LocalConnector over a running LocalCluster.
 
 `local_connector(cluster)` adopts the cluster's workers (pool = (served model name, role)) and builds
-new ones the way the cluster does (engine config i, its discovery, its tokenizer, a log per worker),
-numbering on after the cluster's own. Scale-down drains (see planner/connectors/local.py).
+new ones with the cluster's own `make_supervisor` (engine config i, the role's disaggregation flags,
+its discovery, its tokenizer, a log per worker), numbering on after the cluster's own. Scale-down drains (see planner/connectors/local.py).
 Shut down in this order: planner loop, `await connector.close()`, then `await cluster.stop()`.
 """
 
@@ -12,7 +12,7 @@ from orchestrator.launcher import LocalCluster, default_tokenizer
 from planner.connectors.local import LocalConnector
 from workers.telemetry.schema import PoolKey
 from workers.types import WorkerRole
-from workers.worker import WorkerOptions, WorkerSupervisor
+from workers.worker import WorkerSupervisor
 
 __all__ = ["local_connector"]
 
@@ -22,9 +22,7 @@ def local_connector(cluster: LocalCluster) -> LocalConnector:
     tok = default_tokenizer(cfg.backend, cfg.model)
 
     def factory(pool: PoolKey, i: int) -> WorkerSupervisor:
-        opts = WorkerOptions(role=WorkerRole(pool.role), tokenizer=tok, worker_id=f"{cfg.backend}-{i}",
-                             log_path=str(cfg.log_dir / f"worker-{i}.log"))
-        return WorkerSupervisor(cluster.backend, cluster._engine_cfg(i), cluster.discovery, opts)
+        return cluster.make_supervisor(i, WorkerRole(pool.role), tok)  # a prefill/decode worker gets its hand-off flags too
 
     conn = LocalConnector(factory, first_ordinal=len(cluster.supervisors))
     for sup, task in zip(cluster.supervisors, cluster._tasks):

@@ -31,3 +31,22 @@ class FrontendMetrics:
         self.prompt_blocks = Counter("kvyard_router_prompt_blocks", "Full prompt blocks routed", ["model"], registry=r)
         self.retries = Counter("kvyard_engine_retries", "Requests re-sent to another engine before streaming", ["model"], registry=r)
         self.workers = Gauge("kvyard_workers", "Live workers by model and state", ["model", "state"], registry=r)
+        # security (orchestrator/security): refused credentials and rate-limited keys
+        self.auth_failures = Counter("kvyard_auth_failures", "Requests refused for their credentials, by surface "
+                                     "(http | grpc | admin) and reason (missing | invalid | revoked | disabled)", ["surface", "reason"], registry=r)
+        self.rate_limited = Counter("kvyard_rate_limited", "Requests refused 429 by their API key's limit (requests | tokens)",
+                                    ["key_id", "limit"], registry=r)
+        # reliability (orchestrator/resilience): breakers, migrations, admission, deadlines
+        self.breaker_state = Gauge("kvyard_breaker_state", "Circuit breaker of a worker: 0 closed, 1 half-open, 2 open", ["worker"], registry=r)
+        self.breaker_transitions = Counter("kvyard_breaker_transitions", "Breaker state changes by worker and new state", ["worker", "state"], registry=r)
+        self.migrations = Counter("kvyard_migrations", "Mid-stream continuations on another worker, by outcome "
+                                  "(migrated | refused: not migratable | exhausted: limit or no worker left | failed)", ["model", "outcome"], registry=r)
+        self.admission_queue = Gauge("kvyard_admission_queue", "Requests waiting for admission", ["model"], registry=r)
+        self.admission_rejected = Counter("kvyard_admission_rejected", "Requests refused 503 by admission (queue_full | queue_timeout)", ["model", "reason"], registry=r)
+        self.admission_wait = Histogram("kvyard_admission_wait_seconds", "Time queued before admission", ["model"], buckets=_LAT, registry=r)
+        self.deadline_exceeded = Counter("kvyard_request_deadline_exceeded", "Requests ended by request_timeout_s", ["model"], registry=r)
+        # disaggregated prefill/decode (orchestrator/disagg): mode remote|local|fallback|rejected, reason as decided
+        self.disagg_decisions = Counter("kvyard_disagg_decisions", "Where each request of a disaggregated model was prefilled, and why",
+                                        ["mode", "reason"], registry=r)
+        self.disagg_prefill = Histogram("kvyard_disagg_prefill_seconds", "Remote prefill: request sent to hand-off received",
+                                        ["model"], buckets=_LAT, registry=r)

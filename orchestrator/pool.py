@@ -1,8 +1,8 @@
 """The frontend's live view of the workers: discovery refresh + engine metric scrapes.
 
 Two loops (observe only; the router decides):
-  refresh: every refresh_interval_s, list workers from discovery; new ones join, vanished ones
-           (lease lapsed or deregistered) leave routing and the router forgets their load.
+  refresh: every refresh_interval_s, list workers from discovery; new ones join (scraped once first),
+           vanished ones (lease lapsed or deregistered) leave routing and the router forgets their load.
            If discovery is unreachable the last known view is kept.
   scrape:  every scrape_interval_s, GET each engine's metrics endpoint and keep the normalised
            snapshot (waiting queue, KV usage) for the load scorers.
@@ -14,6 +14,7 @@ import asyncio
 import logging
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +59,8 @@ class WorkerPool:
         self.cache_dir = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "kvyard-tokenizers"
         self._tasks: list[asyncio.Task] = []
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+        self.on_worker_left: list[Callable[[str], None]] = []  # called with the worker id after the router forgot it
+        self.on_worker_joined: list[Callable[[LiveWorker], None]] = []  # called once it is routable, after its first scrape
 
     async def start(self) -> None:
         await self.refresh()
@@ -94,13 +97,22 @@ class WorkerPool:
             log.info("worker %s left", wid)
             del self.workers[wid]
             self.router.remove_worker(wid)
+            for forget in self.on_worker_left:  # e.g. the disagg prefill router's own load book
+                forget(wid)
+        joined = []
         for info in infos:
             live = self.workers.get(info.worker_id)
             if live is None:
-                log.info("worker %s joined: %s %s at %s", info.worker_id, info.backend, info.model, info.url)
-                self.workers[info.worker_id] = LiveWorker(info)
+                joined.append(LiveWorker(info))
             else:
                 live.info = info
+        # scraped once before they become routable, so the counters telemetry diffs start before this frontend's traffic
+        await asyncio.gather(*(self._scrape_one(live) for live in joined))
+        for live in joined:
+            log.info("worker %s joined: %s %s at %s", live.info.worker_id, live.info.backend, live.info.model, live.info.url)
+            self.workers[live.info.worker_id] = live
+            for hook in self.on_worker_joined:
+                hook(live)
         if self.ingestor is not None:  # no await since the joined/left loop: index and pool agree
             self.ingestor.sync([w.info for w in self.workers.values()])
         for info in infos:
@@ -156,9 +168,13 @@ class WorkerPool:
     def ready(self, model: str) -> list[LiveWorker]:
         return [w for w in self.workers.values() if w.info.model == model and w.info.state == WorkerState.READY]
 
-    def endpoints(self, model: str) -> list[Endpoint]:
+    def endpoints(self, model: str, roles: tuple[str, ...] = ("both", "decode")) -> list[Endpoint]:
+        """Ready endpoints of the model in the given roles; by default the ones that can serve a whole
+        request (prefill-only workers take part only through orchestrator/disagg)."""
         out = []
         for w in self.ready(model):
+            if w.info.role.value not in roles:
+                continue
             m = w.metrics
             load = EndpointLoad(engine_waiting=m.num_requests_waiting, engine_kv_usage=m.kv_cache_usage) if m else EndpointLoad()
             out.append(Endpoint(worker_id=w.info.worker_id, url=w.info.url, model=model, block_size=w.info.block_size, role=w.info.role.value, load=load))

@@ -1,14 +1,21 @@
-"""The inference path: validate -> tokenize -> route -> dispatch (with failover) -> relay.
+"""The inference path: validate -> tokenize -> admit -> route -> dispatch (with failover) -> relay (with migration).
 
     handle(request, kind)
       body  = read (413 past max_body_bytes) and validate (400 naming the field)
       model = must be served by some registered worker (404), with a ready one (503 + Retry-After)
-      ids   = prompt tokens (chat template applied); longer than the context -> 400
-      plan  = router.route(ids, live endpoints) -> endpoints ranked best first
-      send  = POST to the best; on connection error or 5xx *before any byte reached the client*,
-              book the next-ranked one and try again (max_attempts); then 503
-      relay = SSE event by event (streaming) or the JSON body; the router hears first token and
-              completion on every path, including client disconnect (which aborts the engine request)
+      ids   = prompt tokens (chat template applied); longer than the context -> 400; max_tokens over
+              max_tokens_cap -> 400 (absent: the cap is filled in)
+      admit = bounded admission queue per model (resilience/admission.py): 429 for a client over
+              its rate, 503 + Retry-After when the fleet is saturated and the queue full or too slow
+      plan  = router.route(ids, live endpoints whose circuit breaker is closed) -> ranked best first
+      send  = POST to the best; on connection error, timeout or 5xx *before any byte reached the
+              client*, book the next-ranked one and try again after a jittered backoff (max_attempts)
+      relay = SSE event by event (streaming) or the JSON body; if the stream breaks after tokens
+              reached the client, it is continued on another worker (resilience/migration.py) up to
+              max_migrations times, so the client sees one complete answer
+    Every wait has a deadline (connect, headers, idle stream, the whole request); every outcome
+    feeds the worker's circuit breaker (resilience/breaker.py); the router hears first token and
+    completion on every path, including client disconnect (which aborts the engine request).
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from orchestrator.config import FrontendConfig
@@ -30,12 +38,23 @@ from orchestrator.errors import (
     ContextLengthError,
     KvyardError,
     ModelNotFoundError,
-    PayloadTooLargeError,
     ServiceUnavailableError,
 )
 from orchestrator.metrics import FrontendMetrics
+from orchestrator.security.http import read_body
 from orchestrator.pool import WorkerPool
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from orchestrator.resilience.admission import AdmissionController, Ticket, worker_saturated
+from orchestrator.resilience.breaker import BreakerBoard, BreakerState, backoff_s
+from orchestrator.resilience.migration import (
+    CONTINUATION_PATH,
+    ChunkRewriter,
+    StreamTracker,
+    continuation_body,
+    migration_blocker,
+    strip_token_ids,
+    usage_event,
+)
 from orchestrator.telemetry_recorder import FrontendTelemetry
 from orchestrator.streaming import StreamStats, relay_sse, sse_error_event
 from orchestrator.tokenizer import load_tokenizer
@@ -45,6 +64,9 @@ from workers.types import WorkerInfo
 __all__ = ["InferenceService", "Dispatched"]
 
 log = logging.getLogger("kvyard.frontend")
+
+_DONE_EVENT = b"data: [DONE]\n\n"
+
 
 @dataclass(slots=True)
 class Dispatched:
@@ -56,12 +78,36 @@ class Dispatched:
     stream: bool
     include_usage: bool
     t0: float
+    # what a retry or a mid-stream migration needs
+    kind: str = "completions"
+    path: str = ""
+    body: dict = field(default_factory=dict)  # the client's request as forwarded (before stream_options)
+    payload: bytes = b""  # what the engines were sent
+    prompt_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = None
+    blocker: str | None = None  # why the request cannot be migrated, None if it can
+    strip_ids: bool = False  # the frontend asked the engine for token ids the client did not ask for
+    deadline: float = 0.0  # perf_counter time the whole request must end by
+    ticket: Ticket | None = None
+    failed: set[str] = field(default_factory=set)  # workers that failed this request
+
+
+@dataclass(slots=True)
+class _Standalone:
+    """Deadline and failed workers of a send made outside `dispatch` (e.g. by the disagg coordinator)."""
+
+    deadline: float
+    failed: set[str] = field(default_factory=set)
 
 
 _KINDS = {
     "completions": ("/v1/completions", CompletionRequest),
     "chat": ("/v1/chat/completions", ChatCompletionRequest),
 }
+
+
+class _Ended(Exception):
+    """A broken stream that cannot be continued: the message of the error event that ends it."""
 
 
 class InferenceService:
@@ -72,33 +118,66 @@ class InferenceService:
         self.metrics = metrics
         self.client = EngineClient(cfg.connect_timeout_s)
         self.telemetry: FrontendTelemetry | None = None  # set by the app when telemetry is on
+        self.rng = random.Random()
+        self.breakers = BreakerBoard(cfg.breaker_failure_threshold, cfg.breaker_open_s, cfg.breaker_max_open_s,
+                                     probe=self._probe, on_change=self._breaker_changed)
+        self.admission = AdmissionController(
+            cfg.max_inflight_per_model, cfg.max_queued_per_model, cfg.admission_timeout_s, cfg.retry_after_s,
+            saturated=self.fleet_saturated, recheck_s=min(0.25, cfg.scrape_interval_s),
+            on_reject=lambda model, reason: metrics.admission_rejected.labels(model, reason).inc(),
+            on_queue=lambda model, depth: metrics.admission_queue.labels(model).set(depth))
+        self._probing = False
+        # disaggregated prefill/decode (orchestrator/disagg): set by the app; None serves every model aggregated
+        self.disagg = None
 
     async def close(self) -> None:
+        await self.breakers.close()
+        await self.admission.close()
         await self.client.close()
+
+    # ---- worker health -----------------------------------------------------------------------
+
+    def _start_probes(self) -> None:
+        if not self._probing:  # lazily, inside the running loop
+            self._probing = True
+            self.breakers.start(min(1.0, self.cfg.breaker_open_s / 2))
+
+    async def _probe(self, worker_id: str) -> bool:
+        self.breakers.prune(set(self.pool.workers))
+        live = self.pool.workers.get(worker_id)
+        if live is None:
+            return False
+        return await self.client.healthy(live.info.url + "/health", self.cfg.health_probe_timeout_s)
+
+    def _breaker_changed(self, worker_id: str, state: BreakerState) -> None:
+        self.metrics.breaker_state.labels(worker_id).set(int(state))
+        self.metrics.breaker_transitions.labels(worker_id, state.name.lower()).inc()
+
+    def routable(self, model: str) -> list[Endpoint]:
+        """Ready endpoints of the model whose circuit breaker is closed."""
+        return [e for e in self.pool.endpoints(model) if self.breakers.allows(e.worker_id)]
+
+    def fleet_saturated(self, model: str) -> bool:
+        """Every routable worker of the model reports KV usage and waiting requests over the thresholds."""
+        ws = [w for w in self.pool.ready(model) if w.info.role.value != "prefill" and self.breakers.allows(w.info.worker_id)]
+        if not ws or any(w.metrics is None for w in ws):
+            return False
+        return all(worker_saturated(w.metrics.kv_cache_usage, w.metrics.num_requests_waiting,
+                                    self.cfg.saturation_kv_usage, self.cfg.saturation_waiting) for w in ws)
 
     # ---- request admission -------------------------------------------------------------------
 
     async def _read_body(self, request: Request) -> bytes:
-        limit = self.cfg.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise PayloadTooLargeError(f"request body is {declared} bytes; the limit is {limit}")
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
-                chunks.append(chunk)
-        except ClientDisconnect as exc:
-            raise BadRequestError("client disconnected while sending the body") from exc
-        return b"".join(chunks)
+        return await read_body(request, self.cfg.max_body_bytes)  # 413 past the limit, as the auth layer reads it
+
+    def _tokenizer(self, model: str):
+        folder = self.pool.tokenizer_dir(model)
+        return load_tokenizer(folder) if folder is not None else None
 
     def _prompt_ids(self, req, info: WorkerInfo) -> list[int]:
-        folder = self.pool.tokenizer_dir(info.model)
-        if folder is None:  # no tokenizer reachable yet: route without token ids; the engine checks lengths
+        tok = self._tokenizer(info.model)
+        if tok is None:  # no tokenizer reachable yet: route without token ids; the engine checks lengths
             return []
-        tok = load_tokenizer(folder)
         if isinstance(req, ChatCompletionRequest):
             msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
             return tok.encode_chat(msgs)
@@ -120,6 +199,10 @@ class InferenceService:
                 param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
         want = req.requested_max_tokens()
+        cap = self.cfg.max_tokens_cap
+        if want is not None and cap and want > cap:
+            field_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+            raise BadRequestError(f"{field_name}={want} is over this server's limit of {cap} tokens", param=field_name)
         if want is not None and want + len(ids) > ctx:
             raise ContextLengthError(
                 f"max_tokens={want} is too large: with {len(ids)} prompt tokens the total exceeds the model's "
@@ -127,49 +210,89 @@ class InferenceService:
                 param="max_tokens",
             )
 
+    def _fill_max_tokens(self, req, body: dict, ids: list[int], info: WorkerInfo) -> tuple[dict, int | None]:
+        """(body, max_tokens): with max_tokens_cap set and no max_tokens asked, the cap (within the context) is filled in."""
+        want = req.requested_max_tokens()
+        if want is not None or not self.cfg.max_tokens_cap:
+            return body, want
+        fill = min(self.cfg.max_tokens_cap, info.max_model_len - len(ids)) if ids else self.cfg.max_tokens_cap
+        return ({**body, "max_tokens": fill}, fill) if fill > 0 else (body, None)
+
     # ---- the request path --------------------------------------------------------------------
 
-    async def dispatch(self, raw: bytes, kind: str, request_id: str | None = None) -> Dispatched:
-        """Validate, route and open the engine response; transport-neutral (HTTP and gRPC call this).
+    async def dispatch(self, raw: bytes, kind: str, request_id: str | None = None, key_id: str | None = None) -> Dispatched:
+        """Validate, admit, route and open the engine response; transport-neutral (HTTP and gRPC call this).
 
         On return the engine has answered with headers; the caller must consume the response with
-        `stream_events` / `unary_body`, or `release` it, so the router's bookkeeping is closed.
+        `stream_events` / `unary_body`, or `release` it, so the router's bookkeeping and the
+        admission slot are closed. `key_id` names the client's API key (per-key rate limits).
         """
         t0 = time.perf_counter()
+        self._start_probes()
         path, model_cls = _KINDS[kind]
         req, body = parse_request(raw, model_cls)
         info = self.pool.info_for(req.model)
         if info is None:
+            if not self.pool.workers or not self.pool.discovery_ok:
+                # knowing no worker at all (just started, or the registry was emptied by a Redis restart while the
+                # workers re-register), or cut off from discovery, the frontend cannot tell a wrong name from a fleet
+                # on its way: retryable 503, not a 404 that tells the client the model does not exist
+                raise ServiceUnavailableError(f"no worker of `{req.model}` is known yet; retry shortly", retry_after=self.cfg.retry_after_s)
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
         ids = self._prompt_ids(req, info)
         self._check_lengths(req, ids, info)
-        endpoints = self.pool.endpoints(req.model)
-        rid = request_id or f"kvy-{uuid.uuid4().hex}"
-        rreq = RouteRequest(request_id=rid, model=req.model, token_ids=ids, max_tokens=req.requested_max_tokens() or 0)
+        body, max_tokens = self._fill_max_tokens(req, body, ids, info)
+        ticket = await self.admission.admit(req.model, key_id)
+        if ticket.queued_s:
+            self.metrics.admission_wait.labels(req.model).observe(ticket.queued_s)
         try:
-            decision = self.router.route(rreq, endpoints)
-        except NoEndpointsError as exc:
-            raise ServiceUnavailableError(f"no worker is ready to serve `{req.model}`; retry shortly", retry_after=self.cfg.retry_after_s) from exc
+            endpoints = self.routable(req.model)
+            if not endpoints and self.pool.endpoints(req.model):
+                wait = max(self.cfg.retry_after_s, self.breakers.retry_after_s())
+                raise ServiceUnavailableError(f"every worker of `{req.model}` is failing its health checks; retry shortly", retry_after=wait)
+            rid = request_id or f"kvy-{uuid.uuid4().hex}"
+            rreq = RouteRequest(request_id=rid, model=req.model, token_ids=ids, max_tokens=max_tokens or 0)
+            disagg = self.disagg if self.disagg is not None and self.disagg.applies(req.model) else None
+            try:
+                decision = disagg.route_decode(rreq, endpoints) if disagg else self.router.route(rreq, endpoints)
+            except NoEndpointsError as exc:
+                raise ServiceUnavailableError(f"no worker is ready to serve `{req.model}`; retry shortly", retry_after=self.cfg.retry_after_s) from exc
+        except BaseException:
+            ticket.release()
+            raise
         self.metrics.decision_time.observe(self.router.last_decision_s)
         if self.telemetry is not None:
             self.telemetry.on_arrival(req.model)
         self.metrics.isl.labels(req.model).observe(len(ids))
+        blocker = migration_blocker(kind, body, bool(ids)) if self.cfg.max_migrations else "migration disabled"
+        strip_ids = False
+        send_body = body
         if req.stream:
-            body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
-        payload = json.dumps(body).encode()
+            send_body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
+            if blocker is None and info.backend == "vllm" and not body.get("return_token_ids"):
+                send_body["return_token_ids"] = True  # exact continuation prompts (resilience/migration.py)
+                strip_ids = True
+        payload = json.dumps(send_body).encode()
+        d = Dispatched(rreq, endpoints[0], None, req.stream, req.include_usage, t0, kind=kind, path=path, body=body,  # type: ignore[arg-type]
+                       payload=payload, prompt_ids=ids, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
+                       deadline=t0 + self.cfg.request_timeout_s, ticket=ticket)
         self.metrics.inflight.labels(req.model).inc()
         try:
-            ep, resp = await self._send(rreq, decision.ranked, path, payload, req.stream)
+            if disagg:  # the disagg hook: prefill remotely (or not), then the decode response is relayed as usual
+                d.endpoint, d.resp = await disagg.send(self, rreq, send_body, payload, decision, path, req.stream)
+            else:
+                d.endpoint, d.resp = await self._send(rreq, decision.ranked, path, payload, req.stream, d)
         except BaseException:
-            self._finish(rreq, t0, "error")
+            self._finish(rreq, t0, "error", ticket=ticket)
             raise
-        self.metrics.routed.labels(req.model, ep.worker_id, decision.policy).inc()
+        self.metrics.routed.labels(req.model, d.endpoint.worker_id, decision.policy).inc()
+        ep = d.endpoint
         if ids and ep.block_size:
             overlap = decision.overlap_of(ep)
             self.metrics.overlap_blocks.labels(req.model).inc(overlap)
             self.metrics.prompt_blocks.labels(req.model).inc(len(ids) // ep.block_size)
             self.metrics.kv_hit_rate.labels(req.model).observe(min(1.0, overlap * ep.block_size / len(ids)))
-        return Dispatched(rreq, ep, resp, req.stream, req.include_usage, t0)
+        return d
 
     async def release(self, d: Dispatched, status: str) -> bytes:
         """Read and close a response that will not be relayed (e.g. the engine's own 4xx)."""
@@ -177,11 +300,13 @@ class InferenceService:
             return await d.resp.aread()
         finally:
             await d.resp.aclose()
-            self._finish(d.rreq, d.t0, status)
+            self.breakers.success(d.endpoint.worker_id)  # it answered: alive
+            self._finish(d.rreq, d.t0, status, ticket=d.ticket)
 
     async def handle(self, request: Request, kind: str) -> Response:
         """HTTP: body limits, then dispatch, then SSE or JSON back to the client."""
-        d = await self.dispatch(await self._read_body(request), kind, request.headers.get("x-request-id"))
+        key_id = getattr(request.state, "api_key_id", None)  # set by the auth layer when API keys are on
+        d = await self.dispatch(await self._read_body(request), kind, request.headers.get("x-request-id"), key_id)
         headers = {"x-request-id": d.rreq.request_id, "x-kvyard-worker": d.endpoint.worker_id}
         if d.resp.status_code >= 400:  # the engine refused the request (client error): pass it on as is
             body_bytes = await self.release(d, str(d.resp.status_code))
@@ -191,58 +316,231 @@ class InferenceService:
                                      headers={**headers, "cache-control": "no-cache"})
         return await self._unary(request, d, headers)
 
-    async def _send(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes, stream: bool):
-        """POST to the ranked engines in turn until one answers below 500."""
+    def _remaining(self, d: "Dispatched | _Standalone") -> float:
+        return d.deadline - time.perf_counter()
+
+    async def _send(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes, stream: bool,
+                    d: Dispatched | None = None):
+        """POST to the ranked engines in turn until one answers below 500.
+
+        Each failure (nothing received, a timeout, a 5xx) counts against that worker's breaker; the
+        next attempt waits a jittered exponential backoff. Bounded by max_attempts and the deadline
+        (`d` carries the request's deadline and the workers that already failed it).
+        """
+        if d is None:
+            d = _Standalone(deadline=time.perf_counter() + self.cfg.request_timeout_s)
         last_error = "no engine answered"
-        read_timeout = self.cfg.stream_idle_timeout_s if stream else self.cfg.first_byte_timeout_s
+        cfg = self.cfg
+        read_timeout = cfg.stream_idle_timeout_s if stream else cfg.first_byte_timeout_s
+        headers_timeout = cfg.stream_headers_timeout_s if stream else None
         headers = {"content-type": "application/json", "x-request-id": rreq.request_id}
-        for attempt, ep in enumerate(ranked[: self.cfg.max_attempts]):
+        candidates = [ep for ep in ranked if ep.worker_id not in d.failed]
+        for attempt, ep in enumerate(candidates[: cfg.max_attempts]):
             if attempt:
+                delay = backoff_s(attempt, cfg.retry_backoff_base_s, cfg.retry_backoff_max_s, self.rng)
+                if delay >= self._remaining(d):
+                    break
+                await asyncio.sleep(delay)
                 self.metrics.retries.labels(rreq.model).inc()
                 self.router.on_complete(rreq.request_id)
                 self.router.book(rreq, ep)
+            remaining = self._remaining(d)
+            if remaining <= 0:
+                break
             try:
-                resp = await self.client.post(ep.url + path, payload, headers, read_timeout)
+                resp = await self.client.post(ep.url + path, payload, headers, min(read_timeout, remaining),
+                                              headers_timeout_s=min(headers_timeout, remaining) if headers_timeout else None,
+                                              total_s=remaining)
             except EngineUnreachableError as exc:
                 last_error = f"{ep.worker_id}: {exc}"
                 log.warning("engine %s failed before answering %s: %s", ep.worker_id, rreq.request_id, last_error)
+                self._worker_failed(d, ep, last_error)
                 continue
             if resp.status_code >= 500:
                 last_error = f"{ep.worker_id}: HTTP {resp.status_code}"
                 await resp.aclose()
+                self._worker_failed(d, ep, last_error)
                 continue
             return ep, resp
-        raise ServiceUnavailableError(f"no engine could serve the request ({last_error})", retry_after=self.cfg.retry_after_s)
+        if self._remaining(d) <= 0:
+            self.metrics.deadline_exceeded.labels(rreq.model).inc()
+            last_error = f"the request deadline of {cfg.request_timeout_s:g}s passed; last: {last_error}"
+        raise ServiceUnavailableError(f"no engine could serve the request ({last_error})", retry_after=cfg.retry_after_s)
+
+    def _worker_failed(self, d: "Dispatched | _Standalone", ep: Endpoint, why: str) -> None:
+        d.failed.add(ep.worker_id)
+        self.breakers.failure(ep.worker_id, why)
+
+    # ---- streaming, with mid-stream migration ------------------------------------------------
 
     async def stream_events(self, d: Dispatched):
-        """Relay the engine's SSE events (bytes, each ending in a blank line) until [DONE]."""
-        rreq, resp, forward_usage, t0 = d.rreq, d.resp, d.include_usage, d.t0
-        stats = StreamStats()
-        model = rreq.model
+        """Relay the engine's SSE events (bytes, each ending in a blank line) until [DONE].
+
+        If the stream breaks (an error, the idle or total deadline, or an end without [DONE]):
+        nothing relayed yet -> the request is re-sent elsewhere; tokens relayed -> it is continued
+        on another worker (migration); neither possible -> one error event, then [DONE].
+        """
+        rreq, t0, model = d.rreq, d.t0, d.rreq.model
         itl = self.metrics.itl.labels(model)
+        tracker = StreamTracker() if d.blocker is None else None
+        rewriter: ChunkRewriter | None = None
+        migrations = 0
+        relayed = 0  # content events the client has received, all workers together
+        first_at: float | None = None
         status = "ok"
+        osl = 0
+        final_usage: dict | None = None
 
         def first_token() -> None:
-            self.router.on_first_token(rreq.request_id)
-            self.metrics.ttft.labels(model).observe(time.perf_counter() - t0)
+            nonlocal first_at
+            self.router.on_first_token(rreq.request_id)  # this worker's booking moves from prefill to decode
+            if first_at is None:
+                first_at = time.perf_counter()
+                self.metrics.ttft.labels(model).observe(first_at - t0)
 
         try:
-            async for out in relay_sse(resp.aiter_raw(), stats, forward_usage, first_token, itl.observe):
-                yield out
-        except EngineStreamError as exc:
-            status = "engine_error"
-            log.warning("stream %s broke: %s", rreq.request_id, exc)
-            yield sse_error_event(f"the engine stream failed: {exc}")
+            while True:
+                stats = StreamStats()
+                broke: str | None = None
+                ep = d.endpoint
+                try:
+                    async for out in relay_sse(
+                        d.resp.aiter_raw(), stats, d.include_usage and rewriter is None, first_token, itl.observe,
+                        on_content=tracker.feed if tracker is not None else None,
+                        transform=rewriter if rewriter is not None else (strip_token_ids if d.strip_ids else None),
+                        forward_done=rewriter is None,
+                    ):
+                        yield out
+                    if not stats.done:
+                        broke = "the stream ended without [DONE]"
+                except EngineStreamError as exc:
+                    broke = str(exc) or type(exc).__name__
+                finally:
+                    relayed += stats.content_events
+                    await d.resp.aclose()
+                if broke is None:
+                    self.breakers.success(ep.worker_id)
+                    usage = stats.usage or {}
+                    if rewriter is None:
+                        osl = int(usage.get("completion_tokens", stats.content_events))
+                        final_usage = stats.usage
+                    else:  # a continuation finished: the one usage chunk, with the totals
+                        osl = rewriter.before + int(usage.get("completion_tokens", stats.content_events))
+                        prompt_tokens = rewriter.prompt_tokens
+                        final_usage = {"prompt_tokens": prompt_tokens, "completion_tokens": osl}
+                        tail = (usage_event(d.kind, tracker, prompt_tokens, osl) + b"\n\n") if d.include_usage else b""
+                        yield tail + _DONE_EVENT
+                    break
+                self._worker_failed(d, ep, broke)
+                log.warning("stream %s from %s broke after %d events: %s", rreq.request_id, ep.worker_id, relayed, broke)
+                try:
+                    if relayed == 0:
+                        await self._resend(d)
+                        continue
+                    # the original stream's usage chunk already reached the client: the answer was complete
+                    usage_sent = rewriter is None and stats.usage is not None and d.include_usage
+                    tail, rewriter = await self._migrate(d, tracker, migrations, rewriter, usage_sent)
+                except _Ended as end:
+                    status = "engine_error"
+                    yield sse_error_event(str(end))
+                    break
+                if tail is not None:  # the answer was already complete: only its ending was lost
+                    osl = rewriter_before(tracker, self._encoder(model))
+                    yield tail
+                    break
+                migrations += 1
         except BaseException:  # client went away (CancelledError / GeneratorExit): abort upstream
             status = "cancelled"
             raise
         finally:
-            await resp.aclose()
-            osl = int((stats.usage or {}).get("completion_tokens", stats.content_events))
-            if stats.usage:
+            if d.resp is not None:
+                await d.resp.aclose()
+            if final_usage:
                 self.metrics.osl.labels(model).observe(osl)
-            ttft = stats.first_token_at - t0 if stats.first_token_at is not None else None
-            self._finish(rreq, t0, status, ttft_s=ttft, osl=osl)
+            ttft = first_at - t0 if first_at is not None else None
+            self._finish(rreq, t0, status, ttft_s=ttft, osl=osl, ticket=d.ticket)
+
+    def _encoder(self, model: str):
+        tok = self._tokenizer(model)
+        return (lambda text: tok.encode(text, add_special_tokens=False)) if tok is not None else None
+
+    async def _resend(self, d: Dispatched) -> None:
+        """Nothing reached the client yet: send the original request to another worker."""
+        endpoints = [e for e in self.routable(d.rreq.model) if e.worker_id not in d.failed]
+        if not endpoints:
+            raise _Ended("the engine stream failed and no other worker is available")
+        self.router.on_complete(d.rreq.request_id)
+        try:
+            decision = self.router.route(d.rreq, endpoints)
+            d.endpoint, d.resp = await self._send(d.rreq, decision.ranked, d.path, d.payload, True, d)
+        except (NoEndpointsError, ServiceUnavailableError) as exc:
+            raise _Ended(f"the engine stream failed and no other worker could take it: {exc}") from exc
+        self.metrics.retries.labels(d.rreq.model).inc()
+        if d.resp.status_code >= 400:
+            body = await d.resp.aread()
+            await d.resp.aclose()
+            raise _Ended(f"the engine stream failed and the retry was refused: HTTP {d.resp.status_code} {body[:200]!r}")
+
+    async def _migrate(self, d: Dispatched, tracker: StreamTracker | None, migrations: int, rewriter: ChunkRewriter | None,
+                       usage_sent: bool = False):
+        """Continue a broken stream on another worker. Returns (tail, rewriter): `tail` (bytes) when the
+        answer turned out complete (only its end is sent), else the new rewriter with d.resp/d.endpoint
+        set to the continuation. Raises _Ended with the client-facing message when it cannot."""
+        model = d.rreq.model
+        outcome = self.metrics.migrations
+
+        def end(kind: str, message: str) -> _Ended:
+            outcome.labels(model, kind).inc()
+            return _Ended(message)
+
+        if tracker is None:
+            raise end("refused", f"the engine stream failed mid-way; this request cannot be continued elsewhere ({d.blocker})")
+        if tracker.blocked:
+            raise end("refused", f"the engine stream failed mid-way; this request cannot be continued elsewhere ({tracker.blocked})")
+        encode = self._encoder(model)
+        gen_ids, _exact = tracker.generated_ids(encode)
+        n_gen = len(gen_ids) if gen_ids is not None else tracker.events
+        prompt_tokens = len(d.prompt_ids) if d.prompt_ids else 0
+        if tracker.finish_reason is not None or (d.max_tokens is not None and n_gen >= d.max_tokens):
+            # everything was generated; only the final chunk, the usage or [DONE] was lost
+            tail = b""
+            if tracker.finish_reason is None:
+                tail += _finish_chunk(d.kind, tracker) + b"\n\n"
+            if d.include_usage and not usage_sent:
+                tail += usage_event(d.kind, tracker, prompt_tokens, n_gen) + b"\n\n"
+            outcome.labels(model, "finished").inc()
+            return tail + _DONE_EVENT, rewriter
+        if migrations >= self.cfg.max_migrations:
+            raise end("exhausted", f"the engine stream failed {migrations + 1} times; giving up (max_migrations={self.cfg.max_migrations})")
+        if self._remaining(d) <= 0:
+            self.metrics.deadline_exceeded.labels(model).inc()
+            raise end("exhausted", f"the request deadline of {self.cfg.request_timeout_s:g}s passed")
+        endpoints = [e for e in self.routable(model) if e.worker_id not in d.failed]
+        if not endpoints:
+            raise end("exhausted", "the engine stream failed mid-way and no other worker is available to continue it")
+        body = continuation_body(d.kind, d.body, d.prompt_ids, gen_ids, tracker.text, n_gen, d.max_tokens, d.strip_ids)
+        payload = json.dumps(body).encode()
+        rreq = RouteRequest(request_id=d.rreq.request_id, model=model,
+                            token_ids=body["prompt"] if isinstance(body["prompt"], list) else [],
+                            max_tokens=body.get("max_tokens") or 0)
+        self.router.on_complete(d.rreq.request_id)
+        try:
+            decision = self.router.route(rreq, endpoints)
+            ep, resp = await self._send(rreq, decision.ranked, CONTINUATION_PATH, payload, True, d)
+        except (NoEndpointsError, ServiceUnavailableError) as exc:
+            raise end("failed", f"the engine stream failed mid-way and could not be continued: {exc}") from exc
+        if resp.status_code >= 400:
+            text = await resp.aread()
+            await resp.aclose()
+            raise end("failed", f"the engine stream failed mid-way and the continuation was refused: HTTP {resp.status_code} {text[:200]!r}")
+        d.endpoint, d.resp = ep, resp
+        outcome.labels(model, "migrated").inc()
+        log.info("stream %s continues on %s after %d tokens (migration %d)", d.rreq.request_id, ep.worker_id, n_gen, migrations + 1)
+        if not prompt_tokens:  # no tokenizer: the prompt's size is what the first engine saw; unknown here
+            prompt_tokens = max(0, rreq.isl - n_gen) if rreq.token_ids else 0
+        return None, ChunkRewriter(d.kind, tracker, prompt_tokens, n_gen, keep_token_ids=bool(d.body.get("return_token_ids")))
+
+    # ---- unary -------------------------------------------------------------------------------
 
     async def _unary(self, request: Request, d: Dispatched, headers: dict) -> Response:
         read = asyncio.ensure_future(self.unary_body(d))
@@ -259,21 +557,42 @@ class InferenceService:
         return Response(content, status_code=d.resp.status_code, media_type="application/json", headers=headers)
 
     async def unary_body(self, d: Dispatched) -> bytes:
-        """Read a non-streaming engine response; cancelling this aborts the engine request."""
-        rreq, resp, t0 = d.rreq, d.resp, d.t0
+        """Read a non-streaming engine response; cancelling this aborts the engine request.
+
+        Nothing reaches the client before the whole body is read, so an engine that fails mid-body
+        is simply replaced: the request is re-sent to another worker (within max_attempts)."""
+        rreq, t0 = d.rreq, d.t0
         status = "ok"
         try:
-            content = await resp.aread()
-        except EngineStreamError as exc:
-            status = "engine_error"
-            raise ServiceUnavailableError(f"the engine failed mid-response: {type(exc).__name__}", retry_after=self.cfg.retry_after_s) from exc
-        except BaseException:
-            status = "cancelled"
+            for _ in range(self.cfg.max_attempts):
+                try:
+                    content = await d.resp.aread()
+                    break
+                except EngineStreamError as exc:
+                    await d.resp.aclose()
+                    self._worker_failed(d, d.endpoint, str(exc))
+                    log.warning("engine %s failed mid-response for %s: %s", d.endpoint.worker_id, rreq.request_id, exc)
+                    endpoints = [e for e in self.routable(rreq.model) if e.worker_id not in d.failed]
+                    if not endpoints or self._remaining(d) <= 0:
+                        raise ServiceUnavailableError(f"the engine failed mid-response: {type(exc).__name__}",
+                                                      retry_after=self.cfg.retry_after_s) from exc
+                    self.router.on_complete(rreq.request_id)
+                    try:
+                        decision = self.router.route(rreq, endpoints)
+                    except NoEndpointsError as exc2:
+                        raise ServiceUnavailableError("no worker is left to serve the request", retry_after=self.cfg.retry_after_s) from exc2
+                    d.endpoint, d.resp = await self._send(rreq, decision.ranked, d.path, d.payload, False, d)
+                    self.metrics.retries.labels(rreq.model).inc()
+            else:
+                raise ServiceUnavailableError("the engines failed mid-response", retry_after=self.cfg.retry_after_s)
+        except BaseException as exc:
+            status = "engine_error" if isinstance(exc, KvyardError) else "cancelled"
             raise
         finally:
-            await resp.aclose()
+            await d.resp.aclose()
             if status != "ok":
-                self._finish(rreq, t0, status)
+                self._finish(rreq, t0, status, ticket=d.ticket)
+        self.breakers.success(d.endpoint.worker_id)
         self.router.on_first_token(rreq.request_id)
         osl = 0
         try:
@@ -281,13 +600,16 @@ class InferenceService:
             self.metrics.osl.labels(rreq.model).observe(osl)
         except (ValueError, AttributeError, TypeError):
             pass
-        self._finish(rreq, t0, "ok", osl=osl)
+        self._finish(rreq, t0, "ok", osl=osl, ticket=d.ticket)
         return content
 
-    def _finish(self, rreq: RouteRequest, t0: float, status: str, ttft_s: float | None = None, osl: int = 0) -> None:
-        """Close the books on a request, on every path: router load, metrics, telemetry."""
+    def _finish(self, rreq: RouteRequest, t0: float, status: str, ttft_s: float | None = None, osl: int = 0,
+                ticket: Ticket | None = None) -> None:
+        """Close the books on a request, on every path: router load, admission slot, metrics, telemetry."""
         duration = time.perf_counter() - t0
         self.router.on_complete(rreq.request_id)
+        if ticket is not None:
+            ticket.release()
         self.metrics.inflight.labels(rreq.model).dec()
         self.metrics.duration.labels(rreq.model).observe(duration)
         self.metrics.requests.labels(rreq.model, "generate", status).inc()
@@ -295,10 +617,27 @@ class InferenceService:
             self.telemetry.on_finish(rreq.model, ttft_s=ttft_s, duration_s=duration, isl=rreq.isl, osl=osl, ok=status == "ok")
 
 
+def rewriter_before(tracker: StreamTracker | None, encode) -> int:
+    if tracker is None:
+        return 0
+    ids, _ = tracker.generated_ids(encode)
+    return len(ids) if ids is not None else tracker.events
+
+
+def _finish_chunk(kind: str, tracker: StreamTracker) -> bytes:
+    """A last chunk with finish_reason "length" for an answer whose final chunk was lost."""
+    if kind == "chat":
+        choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+        obj = "text_completion"
+    out = {"id": tracker.id, "object": obj, "created": tracker.created, "model": tracker.model, "choices": [choice]}
+    return b"data: " + json.dumps(out, separators=(",", ":")).encode()
+
+
 async def _wait_disconnect(request: Request) -> None:
     while True:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
-
-

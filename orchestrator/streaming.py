@@ -4,6 +4,12 @@ The frontend always asks the engine for `stream_options.include_usage` so it lea
 counts; the usage-only chunk (`"choices":[]`) is passed on only if the client asked for it.
 Events are split on the blank line that ends each SSE event; everything else is forwarded as the
 engine wrote it (no re-encoding on the token path).
+
+`stats.done` records whether the engine finished the stream with `data: [DONE]`: a stream that ends
+without it is broken (the engine died), and an unterminated trailing event is never forwarded.
+For mid-stream migration (orchestrator/resilience/migration.py) the relay also hands each content
+event to `on_content` (before any `transform`), and a continuation stream is relayed with
+`transform` rewriting its chunks and `forward_done=False` (the service ends the stream itself).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class StreamStats:
     content_events: int = 0
     usage: dict | None = None
     gaps: list[float] | None = None
+    done: bool = False
 
 
 def _is_usage_event(ev: bytes) -> bool:
@@ -42,6 +49,9 @@ async def relay_sse(
     forward_usage: bool,
     on_first_token: Callable[[], None],
     on_gap: Callable[[float], None],
+    on_content: Callable[[bytes], None] | None = None,
+    transform: Callable[[bytes], bytes | None] | None = None,
+    forward_done: bool = True,
 ) -> AsyncIterator[bytes]:
     buf = b""
     async for chunk in chunks:
@@ -54,6 +64,11 @@ async def relay_sse(
         for ev in events:
             if not ev:
                 continue
+            if ev == _DONE:
+                stats.done = True
+                if forward_done:
+                    out.append(ev)
+                continue
             if ev.startswith(b"data: {") and _is_usage_event(ev):
                 try:
                     stats.usage = json.loads(ev[6:])["usage"]
@@ -62,7 +77,7 @@ async def relay_sse(
                 if forward_usage:
                     out.append(ev)
                 continue
-            if ev != _DONE and ev.startswith(b"data: "):
+            if ev.startswith(b"data: "):
                 if stats.first_token_at is None:
                     stats.first_token_at = now
                     on_first_token()
@@ -70,8 +85,13 @@ async def relay_sse(
                     on_gap(now - stats.last_token_at)
                 stats.last_token_at = now
                 stats.content_events += 1
+                if on_content is not None:
+                    on_content(ev)  # as the engine wrote it (with any token ids the frontend asked for)
+                if transform is not None:
+                    ev = transform(ev)
+                    if ev is None:
+                        continue
             out.append(ev)
         if out:
             yield b"\n\n".join(out) + b"\n\n"
-    if buf.strip():
-        yield buf
+    # a trailing event without its blank line is incomplete (the engine died writing it): dropped

@@ -5,8 +5,8 @@ Defaults follow Dynamo's planner where it has one (reference/dynamo.md §4): TTF
 telemetry window, at most 4 replicas added or removed per pool per tick, no scale-down within 300 s
 of the pool's last change and never below the highest count wanted in the last 300 s (Kubernetes
 HPA's scale-down stabilization window), telemetry older than 30 s (or absent) holds the pool still; the request
-rate is sized at forecast × (1 + 1.28·RMS relative one-tick forecast error of the pool's work), at
-most ×1.5.
+rate is forecast by peak_trend (max of a Kalman trend forecast and the last 2 ticks' peak) and sized at
+forecast × (1 + 1.28·RMS relative one-tick forecast error of the pool's work), at most ×1.5.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ class PlannerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Literal["sla", "load", "hybrid"] = "hybrid"  # hybrid: SLA replicas as a floor under load steps
-    predictor: Literal["constant", "moving_average", "holt", "kalman"] = "kalman"
+    predictor: Literal["constant", "moving_average", "holt", "kalman", "peak_trend"] = "peak_trend"
     predictor_window: int = Field(6, ge=1)  # moving_average: points averaged
+    peak_window: int = Field(2, ge=1)  # peak_trend: ticks whose highest rate is a floor of the forecast
     interval_s: float = Field(60.0, gt=0)  # one tick
     window_s: float | None = Field(None, gt=0)  # telemetry window read per tick (default interval_s)
     lookahead_s: float = Field(0.0, ge=0)  # forecast this far past the next tick (e.g. replica start time)
@@ -56,6 +57,12 @@ class PlannerConfig(BaseModel):
     default_itl_ms: float = Field(50.0, gt=0)
     max_prefill_utilization: float = Field(0.9, gt=0, lt=1)  # prefill sizing never plans busier than this
     demand_z: float = Field(1.28, ge=0)  # size for forecast + z·(forecast error): 1.28 ~ its p90
+    # hybrid: does a prefill pool's queue add load corrections? False: only its TTFT p90 over target does —
+    # the SLA count plans for queueing up to the TTFT target, so a queue alone is no sign of under-sizing
+    hybrid_prefill_queue: bool = False
+    # headroom from the forecast error less the window's own sampling noise: measured worse (more missed minutes at
+    # the same GPU-seconds, benchmarks/results/planner_sim.md), so off; the noise is a real error of the rate estimate
+    net_of_sampling_noise: bool = False
     max_headroom: float = Field(1.5, ge=1)  # cap on that safety factor
     load: LoadThresholds = Field(default_factory=LoadThresholds)
 

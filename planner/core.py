@@ -7,15 +7,20 @@ Per managed pool (every pool listed in the targets), each tick:
                are still enforced).
   2. predict   feed the window's demand (arrival rate, else finish rate; mean ISL, OSL, KV hit rate)
                to one predictor per quantity; forecast 1 + lookahead_s/interval_s ticks ahead
-               (the prompt-length spread CV² is taken as last observed). The rate is then sized
-               with headroom: × min(1 + demand_z·RMS of the relative one-tick forecast errors of
-               the pool's work (prompt tokens/s for prefill, rate·osl·context for decode; EWMA,
-               weight 0.2), max_headroom).
+               (the prompt-length spread CV² is taken as last observed; with the peak_trend
+               predictor only the rate takes the recent peak, the means use its Kalman part). The
+               rate is then sized with headroom: × min(1 + demand_z·√(MS − noise), max_headroom),
+               MS the mean square of the relative one-tick forecast errors of the pool's work
+               (prompt tokens/s for prefill, rate·osl·context for decode; EWMA, weight 0.2) and
+               noise the window's own sampling error of that work, (1 + CV²)/N for N requests
+               (net_of_sampling_noise; the queueing model already covers that randomness).
   3. size      sla:    replicas from the perf model for the predicted demand (sla.py);
                load:   current ± 1 from queue/KV/latency thresholds (load.py);
                hybrid: sla replicas + a load correction k >= 0 (k += 1 on a load 'up' the SLA
                        count did not already cover, k −= 1 on a 'down' at most once per
-                       scale_down_cooldown_s) — the SLA count is a floor.
+                       scale_down_cooldown_s) — the SLA count is a floor. A prefill pool's queue
+                       is not an 'up' signal here (the SLA count plans for queueing up to the
+                       TTFT target; its observed TTFT p90 is), unless hybrid_prefill_queue.
   4. guard     clamp to [min_replicas, max_replicas]; move at most max_step per tick; scale down
                only to the highest count wanted within scale_down_window_s (HPA-style
                stabilization) and not within scale_down_cooldown_s of the pool's last change.
@@ -112,7 +117,7 @@ class PlannerCore:
         for q in _QUANTITIES:
             p = self._predictors.get((po.pool, q))
             if p is None:
-                p = self._predictors[(po.pool, q)] = make_predictor(self.cfg.predictor, self.cfg.predictor_window)
+                p = self._predictors[(po.pool, q)] = self._make_predictor(q)
             if now_vals[q] is not None:
                 p.observe(now_vals[q])
             out[q] = p.predict(steps)
@@ -125,9 +130,35 @@ class PlannerCore:
             return None
         if s.isl_cv2 is not None:
             self._cv2[po.pool] = s.isl_cv2
-        headroom = min(1.0 + self.cfg.demand_z * math.sqrt(self._rate_err2.get(po.pool, 0.0)), self.cfg.max_headroom)
+        err2 = self._rate_err2.get(po.pool, 0.0)
+        if self.cfg.net_of_sampling_noise:
+            err2 = max(0.0, err2 - self._sampling_noise2(po))
+        headroom = min(1.0 + self.cfg.demand_z * math.sqrt(err2), self.cfg.max_headroom)
         return Demand(out["request_rate"] * headroom, out["isl"] or 0.0, out["osl"] or 0.0, min(max(out["kv_hit_rate"], 0.0), 1.0),
                       self._cv2.get(po.pool, 1.0))
+
+    def _make_predictor(self, quantity: str) -> Predictor:
+        """The configured predictor for the request rate; ISL, OSL and KV hit rate are means, not
+        loads, so a peak-taking ensemble (which would also over-state the hit rate and so under-size
+        prefill) forecasts them with its trend part alone."""
+        name = self.cfg.predictor
+        if quantity != "request_rate" and name == "peak_trend":
+            name = "kalman"
+        return make_predictor(name, self.cfg.peak_window if name == "peak_trend" else self.cfg.predictor_window)
+
+    @staticmethod
+    def _sampling_noise2(po: PoolObservation) -> float:
+        """Squared relative sampling error of one window's work measurement: its N requests give the
+        rate to 1/N (Poisson) and the mean prompt (prefill) or output x context (decode) to ~c²/N, with
+        c² the prompt lengths' CV² (taken as 1 for decode's output lengths). The forecast cannot
+        follow this noise and the queueing model already covers arrivals' randomness, so it is not
+        sized for twice."""
+        s = po.stats
+        n = s.arrival_rate * s.window_s if s.arrival_rate > 0 else float(s.requests)
+        if n < 1:
+            return 0.0
+        cv2 = s.isl_cv2 if (po.pool.role == "prefill" and s.isl_cv2 is not None) else 1.0
+        return (1.0 + cv2) / n
 
     @staticmethod
     def _work(pool: PoolKey, rate: float | None, isl: float | None, osl: float | None) -> float | None:
@@ -169,7 +200,8 @@ class PlannerCore:
         if cfg.mode == "sla":
             raw, reason = sla_n, f"SLA: {why}"
         else:
-            delta, lwhy = load_step(po, ttft, itl, cfg.load)
+            queue_signal = cfg.mode == "load" or cfg.hybrid_prefill_queue or po.pool.role != "prefill"
+            delta, lwhy = load_step(po, ttft, itl, cfg.load, queue_signal)
             if cfg.mode == "load":
                 raw, reason = po.replicas + delta, f"load: {lwhy}"
             else:

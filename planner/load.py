@@ -20,7 +20,10 @@ from planner.types import PoolObservation
 __all__ = ["load_step"]
 
 
-def load_step(po: PoolObservation, ttft_ms: float | None, itl_ms: float | None, th: LoadThresholds) -> tuple[int, str]:
+def load_step(po: PoolObservation, ttft_ms: float | None, itl_ms: float | None, th: LoadThresholds,
+              queue_signal: bool = True) -> tuple[int, str]:
+    """queue_signal False: waiting requests never trigger 'up' (hybrid mode's prefill pools, where
+    the SLA model sizes for some queueing on purpose and the TTFT p90 is the check)."""
     role = po.pool.role
     uses_prefill = role in ("prefill", "both")
     uses_decode = role in ("decode", "both")
@@ -29,7 +32,7 @@ def load_step(po: PoolObservation, ttft_ms: float | None, itl_ms: float | None, 
     itl_p90 = s.itl_p90_ms if s and uses_decode else None
     q = max(po.worker_queue, default=0.0)
     kv = max(po.worker_kv, default=0.0) if uses_decode else 0.0
-    if po.worker_queue and q >= th.queue_up:
+    if queue_signal and po.worker_queue and q >= th.queue_up:
         return 1, f"a worker has {q:.0f} waiting requests (>= {th.queue_up:g})"
     if uses_decode and po.worker_kv and kv >= th.kv_up:
         return 1, f"a worker's KV cache is {kv:.0%} full (>= {th.kv_up:.0%})"

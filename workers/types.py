@@ -43,6 +43,11 @@ class WorkerInfo(BaseModel):
     kv_events_endpoint: str | None = None  # ZMQ PUB endpoint, as a subscriber connects to it
     kv_replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for replay
     kv_events_topic: str = ""
+    # Disaggregated prefill/decode: which engine's P/D hand-off protocol the engine speaks
+    # ("vllm" | "sglang" | "trtllm"; None: its backend's own, e.g. the sim's --flavor is set here),
+    # and, for SGLang prefill engines, the port of their bootstrap server (--disaggregation-bootstrap-port).
+    pd_protocol: str | None = None
+    bootstrap_port: int | None = None
     state: WorkerState = WorkerState.READY
     started_at: float = Field(default_factory=time.time)
     labels: dict[str, str] = Field(default_factory=dict)

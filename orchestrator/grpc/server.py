@@ -8,6 +8,10 @@ Health: service "" and "inference.GRPCInferenceService" are SERVING while at lea
 (re-checked on every Check and every `health_interval_s` for Watch streams), NOT_SERVING otherwise;
 NOT_SERVING for good once shutdown begins. Reflection lists the three services and serves their
 descriptors from the stubs' private descriptor pool.
+
+TLS: given `tls` (orchestrator.security.TlsFiles) the port is a secure one (server-side TLS, the
+same certificate as HTTPS); clients then need grpc.ssl_channel_credentials with the CA.
+Auth: `guard` (orchestrator.security.InferenceGuard) checks API keys in the servicer.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from orchestrator.grpc.generated import POOL, pb_grpc
 from orchestrator.grpc.servicer import SERVICE_NAME, InferenceServicer
 from orchestrator.pool import WorkerPool
+from orchestrator.security import InferenceGuard, TlsFiles
 from orchestrator.service import InferenceService
 
 __all__ = ["start_grpc_server", "GrpcServer", "GrpcStartError"]
@@ -96,7 +101,8 @@ def _address(host: str, port: int) -> str:
 
 
 async def start_grpc_server(service: InferenceService, pool: WorkerPool, port: int, host: str = "127.0.0.1",
-                            *, health_interval_s: float = 0.5) -> GrpcServer:
+                            *, health_interval_s: float = 0.5, guard: InferenceGuard | None = None,
+                            tls: TlsFiles | None = None) -> GrpcServer:
     """Start the gRPC endpoint on host:port (port 0: any free port, see `.port`) on the running loop."""
     limit = service.cfg.max_body_bytes + 64 * 1024  # room for the protobuf framing around a maximal prompt
     server = grpc.aio.server(options=[
@@ -104,14 +110,14 @@ async def start_grpc_server(service: InferenceService, pool: WorkerPool, port: i
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", -1),
     ])
-    servicer = InferenceServicer(service, pool)
+    servicer = InferenceServicer(service, pool, guard)
     health = _ReadinessHealth(servicer)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, REFLECTION_SERVICE), server, pool=POOL)
     address = _address(host, port)
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_secure_port(address, tls.grpc_credentials()) if tls else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise GrpcStartError(f"cannot serve gRPC on {address}: {exc}") from exc
     if not bound:
@@ -119,5 +125,5 @@ async def start_grpc_server(service: InferenceService, pool: WorkerPool, port: i
     await server.start()
     await health.refresh()
     watch = asyncio.create_task(_follow_pool(health, health_interval_s))
-    log.info("gRPC (KServe v2) listening on %s", _address(host, bound))
+    log.info("gRPC (KServe v2) listening on %s%s", _address(host, bound), " (TLS)" if tls else "")
     return GrpcServer(server=server, port=bound, health=health, _watch=watch)

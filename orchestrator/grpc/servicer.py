@@ -10,6 +10,12 @@
                       a final one (empty text, usage, triton_final_response=true); stream=false -> one
                       final response with the whole text. Errors go in `error_message`.
 
+Auth (when the frontend has API keys): ModelReady, ModelMetadata, ModelInfer and ModelStreamInfer need
+`authorization: Bearer <key>` (or `x-api-key`) metadata, else UNAUTHENTICATED; the key's rate limits
+apply per inference request: RESOURCE_EXHAUSTED + `retry-after` for ModelInfer, an in-band
+error_message ("rate_limit_exceeded: ...") for one request of a ModelStreamInfer stream.
+ServerLive, ServerReady, ServerMetadata, health and reflection stay open (probes).
+
 Every inference request becomes an OpenAI /v1/completions body and goes through
 `InferenceService.dispatch` (validation, context-length checks, routing, failover, metrics), so gRPC
 and HTTP answer alike. Model version: "" or "1" (kvyard serves one version per model name).
@@ -17,6 +23,7 @@ and HTTP answer alike. Model version: "" or "1" (kvyard serves one version per m
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from contextlib import aclosing
@@ -30,6 +37,7 @@ from orchestrator.grpc.generated import pb, pb_grpc
 from orchestrator.grpc.llm import FINAL_FLAG, INPUTS, OUTPUT, completion_body, text_response
 from orchestrator.grpc.status import engine_error, grpc_code, trailing_metadata
 from orchestrator.pool import WorkerPool
+from orchestrator.security import InferenceGuard, Principal, estimate_tokens
 from orchestrator.service import Dispatched, InferenceService
 from workers.types import WorkerState
 
@@ -70,9 +78,25 @@ def _sse_payloads(chunk: bytes):
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, service: InferenceService, pool: WorkerPool) -> None:
+    def __init__(self, service: InferenceService, pool: WorkerPool, guard: InferenceGuard | None = None) -> None:
         self.service = service
         self.pool = pool
+        self.guard = guard or InferenceGuard(None)  # no keys: every call is let in
+
+    def _authenticate(self, context) -> Principal | None:
+        """The caller's key (None when keys are off); raises AuthenticationError."""
+        md = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        return self.guard.authenticate(md, "grpc")
+
+    async def _admit(self, principal: Principal | None, body: dict) -> None:
+        """Charge the key's rate limits for one inference request; raises RateLimitError."""
+        if principal is None:
+            return
+        tokens = 0
+        if self.guard.needs_token_estimate(principal):
+            info = self.pool.info_for
+            tokens = estimate_tokens(body, "completions", lambda m: info(m).max_model_len if info(m) else None)
+        await self.guard.admit(principal, tokens)
 
     def any_ready(self) -> bool:
         return any(w.info.state == WorkerState.READY for w in self.pool.workers.values())
@@ -86,6 +110,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.any_ready())
 
     async def ModelReady(self, request, context):
+        try:
+            self._authenticate(context)
+        except KvyardError as exc:
+            await self._abort(context, exc, "ModelReady")
         ok = request.version in ("", MODEL_VERSION) and bool(self.pool.ready(request.name))
         return pb.ModelReadyResponse(ready=ok)
 
@@ -94,6 +122,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):
         try:
+            self._authenticate(context)
             if self.pool.info_for(request.name) is None:
                 raise ModelNotFoundError(f"The model `{request.name}` does not exist.", param="model")
             _check_version(request.name, request.version)
@@ -110,12 +139,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
+            principal = self._authenticate(context)
             body, stream, prepend = completion_body(request)
             _check_version(request.model_name, request.model_version)
             if stream:
                 raise BadRequestError("stream=true needs the streaming RPC ModelStreamInfer", param="stream")
+            await self._admit(principal, body)
             rid = dict(context.invocation_metadata() or ()).get("x-request-id")
-            d = await self._dispatch(body, rid)
+            d = await self._dispatch(body, rid, principal)
             resp = await self._unary(request, body, prepend, d)
             await context.send_initial_metadata((("x-request-id", d.rreq.request_id), ("x-kvyard-worker", d.endpoint.worker_id)))
             return resp
@@ -123,16 +154,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await self._abort(context, exc, "ModelInfer")
 
     async def ModelStreamInfer(self, request_iterator, context):
-        async for response in serve_stream(request_iterator, self._stream_one, self._crash_response):
+        try:  # once per call, before any request is read
+            principal = self._authenticate(context)
+        except KvyardError as exc:
+            await self._abort(context, exc, "ModelStreamInfer")
+        handle = functools.partial(self._stream_one, principal=principal)
+        async for response in serve_stream(request_iterator, handle, self._crash_response):
             yield response
 
     # ---- helpers -----------------------------------------------------------------------------
 
-    async def _dispatch(self, body: dict, request_id: str | None) -> Dispatched:
+    async def _dispatch(self, body: dict, request_id: str | None, principal: Principal | None = None) -> Dispatched:
         payload = json.dumps(body).encode()
         limit = self.service.cfg.max_body_bytes
         if len(payload) > limit:
             raise PayloadTooLargeError(f"request is {len(payload)} bytes as JSON; the limit is {limit}")
+        if principal is not None:  # the admission queue's per-key hook
+            return await self.service.dispatch(payload, "completions", request_id, key_id=principal.key_id)
         return await self.service.dispatch(payload, "completions", request_id)
 
     async def _unary(self, request, body: dict, prepend: bool, d: Dispatched) -> pb.ModelInferResponse:
@@ -151,12 +189,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return text_response(request.model_name, MODEL_VERSION, request.id, text,
                              _usage_params(doc.get("usage") or {}, choice.get("finish_reason")))
 
-    async def _stream_one(self, request, emit) -> None:
+    async def _stream_one(self, request, emit, principal: Principal | None = None) -> None:
         """One request of a ModelStreamInfer call: emit its responses, or one error response."""
         try:
             body, stream, prepend = completion_body(request)
             _check_version(request.model_name, request.model_version)
-            d = await self._dispatch(body, None)
+            await self._admit(principal, body)
+            d = await self._dispatch(body, None, principal)
             if not stream:
                 resp = await self._unary(request, body, prepend, d)
                 resp.parameters[FINAL_FLAG].bool_param = True
@@ -167,7 +206,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await self._relay(request, d, emit)
         except KvyardError as exc:
             self._count_error(exc, "ModelStreamInfer")
-            emit(self._error_response(request, exc.message))
+            emit(self._error_response(request, f"{exc.code}: {exc.message}" if exc.status == 429 else exc.message))
 
     async def _relay(self, request, d: Dispatched, emit) -> None:
         model, rid = request.model_name, request.id

@@ -9,7 +9,9 @@ For a request of isl prompt tokens and each endpoint w with block size B:
     logit(w)          = overlap_weight · prefill_tokens(w) / B + decode_blocks(w)      (lower is better)
     score(w)          = (max_logit - logit(w)) / (max_logit - min_logit)   in [0, 1];  all 1.0 when equal
 
-Defaults (as Dynamo, reference/dynamo.md §2.4): overlap_weight = 1.0, temperature = 0.
+Defaults here (as Dynamo, reference/dynamo.md §2.4): overlap_weight = 1.0, temperature = 0. The frontend
+passes its own `kv_overlap_weight`, 4 by default (orchestrator/config.py; the sweep behind that choice is in
+benchmarks/results/routing_sweep.md).
 active_prefill_tokens and active_blocks are the router's own bookkeeping (router/load.py: booked at
 route time as the uncached prompt tokens and all prompt blocks, prefill released at the first
 token, blocks at completion, on every path), so a worker is never invisible as loaded.

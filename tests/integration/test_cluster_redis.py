@@ -177,7 +177,11 @@ async def test_client_disconnect_aborts_engine_request(cluster):
                 n += 1
                 if n >= 3:
                     break
+            deadline = time.monotonic() + 5  # the gauge is sampled by the engine's loop: allow it a moment
             running = parse_vllm_metrics((await c.get(engine + "/metrics")).text).num_requests_running
+            while running != 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                running = parse_vllm_metrics((await c.get(engine + "/metrics")).text).num_requests_running
             assert running == 1
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:

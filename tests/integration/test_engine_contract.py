@@ -151,6 +151,87 @@ def test_error_status_and_shape(engine, name, overrides):
     assert (got["error"]["type"], got["error"]["code"]) == (ref["error"]["type"], ref["error"]["code"])
 
 
+# ---- return_token_ids and n > 1 (shapes seen from vLLM 0.32, see workers/sim/responses.py) -----------
+
+CHAT_MSGS = [{"role": "user", "content": "Say hello."}]
+
+
+def post(engine, path: str, body: dict[str, Any]) -> httpx.Response:
+    r = httpx.post(engine.url + path, json={"model": MODEL, "ignore_eos": True, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def stream_chunks(engine, path: str, body: dict[str, Any]) -> list[Any]:
+    return sse_chunks(post(engine, path, {**body, "stream": True, "stream_options": {"include_usage": True}}).text)
+
+
+def test_completion_return_token_ids(engine):
+    body = {"prompt": TEXT, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    full = post(engine, "/v1/completions", body).json()
+    assert shape_diff(json.loads(HTTP["completion"]["body"]), full) == []
+    ch, usage = full["choices"][0], full["usage"]
+    assert len(ch["prompt_token_ids"]) == usage["prompt_tokens"] and len(ch["token_ids"]) == usage["completion_tokens"] == 5
+    chunks = stream_chunks(engine, "/v1/completions", body)
+    content = [c["choices"][0] for c in chunks if c["choices"]]
+    assert content[0]["prompt_token_ids"] == ch["prompt_token_ids"]  # only on the first chunk
+    assert all(c["prompt_token_ids"] is None for c in content[1:])
+    assert all(isinstance(c["token_ids"], list) and c["token_ids"] for c in content)  # each chunk: its delta's ids
+    assert sum((c["token_ids"] for c in content), []) == ch["token_ids"]  # greedy: the same ids
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_chat_return_token_ids(engine):
+    body = {"messages": CHAT_MSGS, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    full = post(engine, "/v1/chat/completions", body).json()
+    assert shape_diff(json.loads(HTTP["chat"]["body"]), full) == []
+    assert len(full["prompt_token_ids"]) == full["usage"]["prompt_tokens"]  # at the top level, not in the choice
+    assert "prompt_token_ids" not in full["choices"][0] and len(full["choices"][0]["token_ids"]) == 5
+    chunks = stream_chunks(engine, "/v1/chat/completions", body)
+    role, content = chunks[0], [c for c in chunks[1:] if c["choices"]]
+    assert role["choices"][0]["delta"]["role"] == "assistant" and role["prompt_token_ids"] == full["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in content)
+    assert sum((c["choices"][0]["token_ids"] for c in content), []) == full["choices"][0]["token_ids"]
+
+
+def test_without_return_token_ids_the_ids_are_null(engine):
+    full = post(engine, "/v1/completions", {"prompt": TEXT, "max_tokens": 2}).json()
+    assert (full["choices"][0]["token_ids"], full["choices"][0]["prompt_token_ids"]) == (None, None)
+    chat = post(engine, "/v1/chat/completions", {"messages": CHAT_MSGS, "max_tokens": 2}).json()
+    assert (chat["choices"][0]["token_ids"], chat["prompt_token_ids"]) == (None, None)
+    for c in stream_chunks(engine, "/v1/completions", {"prompt": TEXT, "max_tokens": 2})[:-1]:
+        assert (c["choices"][0]["token_ids"], c["choices"][0]["prompt_token_ids"]) == (None, None)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_n2_choices_and_streamed_indices(engine, path):
+    chat = "chat" in path
+    body = {("messages" if chat else "prompt"): CHAT_MSGS if chat else TEXT, "max_tokens": 4, "n": 2, "temperature": 1.0,
+            "return_token_ids": True}
+    full = post(engine, path, body).json()
+    assert shape_diff(json.loads(HTTP["chat" if chat else "completion"]["body"]), full) == []
+    assert [c["index"] for c in full["choices"]] == [0, 1]
+    assert full["usage"]["completion_tokens"] == 8  # all choices' tokens; the prompt counts once
+    assert all(len(c["token_ids"]) == 4 for c in full["choices"])
+    chunks = stream_chunks(engine, path, body)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert chunks[-1]["usage"]["prompt_tokens"] == full["usage"]["prompt_tokens"]
+    body_chunks = chunks[:-1]
+    assert all(len(c["choices"]) == 1 for c in body_chunks)  # one choice per chunk
+    if chat:  # every index's role chunk comes first
+        assert [(c["choices"][0]["index"], c["choices"][0]["delta"].get("role")) for c in body_chunks[:2]] == [
+            (0, "assistant"), (1, "assistant")]
+        assert all(c["prompt_token_ids"] == full["prompt_token_ids"] for c in body_chunks[:2])
+        body_chunks = body_chunks[2:]
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in body_chunks if c["choices"][0]["index"] == i]
+        assert sum(len(c["token_ids"]) for c in mine) == 4
+        assert mine[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in mine[:-1])
+        if not chat:
+            assert mine[0]["prompt_token_ids"] == full["choices"][i]["prompt_token_ids"]
+            assert all(c["prompt_token_ids"] is None for c in mine[1:])
+
+
 # ---- metrics ------------------------------------------------------------------------------------
 
 

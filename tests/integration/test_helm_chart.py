@@ -17,6 +17,7 @@ import base64
 import copy
 import importlib
 import json
+import typing
 import re
 import subprocess
 import sys
@@ -81,6 +82,10 @@ VALUE_SETS: dict[str, dict] = {
     "vllm-disagg-gpu": _load(EXAMPLES / "values-vllm-disagg.yaml"),
     "sim-only": _load(EXAMPLES / "values-sim.yaml"),
     "all-backends": _load(HELPERS / "values-all-backends.yaml"),
+    # TLS from a cert-manager style Secret; API keys and admin token from the operator's own Secret
+    "tls-existing-auth": {"tls": {"enabled": True, "existingSecret": "kvyard-tls"},
+                          "auth": {"existingSecret": "kvyard-credentials", "apiKeysRequired": True},
+                          "frontend": {"grpc": {"enabled": True}}},
 }
 
 
@@ -226,7 +231,16 @@ BAD_VALUES = {
     "kv-port-equals-port": ("poolDefaults: {port: 8100, kvEvents: {port: 8100}}", ["kvyard: pools[0]", "kvEvents.port must differ"]),
     "external-redis-without-url": ("redis: {bundled: false}", ["kvyard: redis.bundled is false", "redis.external.url"]),
     "external-and-bundled-redis": ("redis: {external: {url: 'redis://r:6379/0'}}", ["kvyard: redis.external is set", "bundled"]),
-    "existing-secret-and-keys": ("auth: {existingSecret: mine, apiKeys: [sk-abcdefgh]}", ["kvyard: auth.existingSecret is set"]),
+    "existing-secret-and-keys": ("auth: {existingSecret: mine, apiKeys: [{id: 0123456789ab, hash: 'sha256:" + "0" * 64 + "'}]}",
+                                 ["kvyard: auth.existingSecret is set"]),
+    "plaintext-api-key": ("auth: {apiKeys: [kvy_0123456789ab_secret]}", ["/auth/apiKeys/0", "want object"]),
+    "api-key-without-hash": ("auth: {apiKeys: [{id: 0123456789ab, key: kvy_0123456789ab_secret}]}",
+                             ["/auth/apiKeys/0", "missing property 'hash'"]),
+    "api-key-bad-hash": ("auth: {apiKeys: [{id: 0123456789ab, hash: 'md5:abc'}]}", ["/auth/apiKeys/0/hash", "does not match pattern"]),
+    "api-key-zero-rpm": ("auth: {apiKeys: [{id: 0123456789ab, hash: 'sha256:" + "0" * 64 + "', rpm: 0}]}",
+                         ["/auth/apiKeys/0/rpm", "minimum"]),
+    "tls-without-secret": ("tls: {enabled: true}", ["kvyard: tls.enabled needs tls.existingSecret"]),
+    "unknown-tls-key": ("tls: {enabled: true, certificate: abc}", ["/tls", "'certificate' not allowed"]),
     "http-and-grpc-same-port": ("frontend: {httpPort: 8000, grpc: {port: 8000}}", ["kvyard: frontend.httpPort and frontend.grpc.port"]),
     "pool-name-too-long-for-release": ("fullnameOverride: " + "x" * 40 + "\npools: [{name: " + "p" * 20 + ", backend: sim, model: m}]",
                                        ["kvyard: pools[0]", "limit 63"]),
@@ -424,6 +438,8 @@ def test_planner_config_loads_with_the_real_models(rendered: dict[str, list[dict
     schema = json.loads((CHART / "values.schema.json").read_text())
     config_keys = set(schema["properties"]["planner"]["properties"]["config"]["properties"])
     assert config_keys <= set(PlannerConfig.model_fields), "values.schema.json types a planner key PlannerConfig lacks"
+    predictors = schema["properties"]["planner"]["properties"]["config"]["properties"]["predictor"]["enum"]
+    assert predictors == list(typing.get_args(PlannerConfig.model_fields["predictor"].annotation)), "the chart's predictor list is stale"
     dedicated = {"mode", "advisory", "interval_s", "default_ttft_ms", "default_itl_ms"}
     assert dedicated <= set(PlannerConfig.model_fields) and not dedicated & config_keys
 
@@ -466,16 +482,60 @@ def test_auth_secret(rendered: dict[str, list[dict]]) -> None:
     objs = rendered["all-backends"]
     secret = one(objs, "Secret", "kv-auth")
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
-    assert data == {"api-keys": "sk-test-aaaaaaaa,sk-test-bbbbbbbb", "admin-token": "admin-token-0123456789abcdef"}
-    env = env_of(container(one(objs, "Deployment", "kv-frontend")))
-    assert env["KVYARD_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "kv-auth", "key": "api-keys"}
+    assert set(data) == {"api-keys.yaml", "admin-token"} and data["admin-token"] == "admin-token-0123456789abcdef"
+    # the Secret holds a key file (hashes) that kvyard's own loader accepts, and keys the test vouches for verify
+    from orchestrator.security import KeyStore
+
+    key_file = Path(__import__("tempfile").mkdtemp()) / "api-keys.yaml"
+    key_file.write_text(data["api-keys.yaml"])
+    store = KeyStore(key_file)
+    principal, _ = store.verify("kvy_0123456789ab_test-key-aaaaaaaa")
+    assert (principal.name, principal.rpm, principal.tpm) == ("team-a", 600, 200000)
+    assert store.verify("kvy_ba9876543210_test-key-bbbbbbbb") == (None, "revoked")
+    assert "test-key-aaaaaaaa" not in yaml.safe_dump_all(objs)  # no key itself anywhere, Secret included
+    dep = one(objs, "Deployment", "kv-frontend")
+    c = container(dep)
+    env = env_of(c)
+    assert "KVYARD_API_KEYS" not in env
     assert env["KVYARD_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "kv-auth", "key": "admin-token"}
+    assert "--api-keys-file=/etc/kvyard/auth/api-keys.yaml" in c["args"]
+    assert {"name": "api-keys", "mountPath": "/etc/kvyard/auth", "readOnly": True} in c["volumeMounts"]
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys")
+    assert vol["secret"] == {"secretName": "kv-auth", "defaultMode": 0o440, "items": [{"key": "api-keys.yaml", "path": "api-keys.yaml"}]}
+    assert dep["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001  # the non-root user can read it
     assert "admin-token-0123456789abcdef" not in yaml.safe_dump_all([o for o in objs if o["kind"] != "Secret"])
     es = env_of(container(one(rendered["external-redis-secret"], "Deployment", "demo-kvyard-frontend")))
     assert es["KVYARD_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "kvyard-auth", "key": "admin-token", "optional": True}
     # a changed secret rolls the frontend
-    ann = one(objs, "Deployment", "kv-frontend")["spec"]["template"]["metadata"]["annotations"]
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
     assert re.fullmatch(r"[0-9a-f]{64}", ann["checksum/auth"])
+    # defaults: no key file mounted, no key needed (the frontend warns), no TLS
+    d = container(one(rendered["default"], "Deployment", "demo-kvyard-frontend"))
+    assert not any(a.startswith(("--api-keys-file", "--tls-")) for a in d["args"])
+    assert {m["name"] for m in d["volumeMounts"]} == {"config", "tmp"}
+
+
+def test_tls_and_keys_from_existing_secrets(rendered: dict[str, list[dict]]) -> None:
+    objs = rendered["tls-existing-auth"]
+    assert not find(objs, "Secret")  # both Secrets are the operator's
+    dep = one(objs, "Deployment", "demo-kvyard-frontend")
+    c = container(dep)
+    assert {"--tls-cert=/etc/kvyard/tls/tls.crt", "--tls-key=/etc/kvyard/tls/tls.key",
+            "--api-keys-file=/etc/kvyard/auth/api-keys.yaml", "--grpc-port=8001"} <= set(c["args"])
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["tls"]["secret"]["secretName"] == "kvyard-tls"
+    assert [i["key"] for i in vols["tls"]["secret"]["items"]] == ["tls.crt", "tls.key"]
+    assert vols["api-keys"]["secret"]["secretName"] == "kvyard-credentials"
+    assert {"name": "tls", "mountPath": "/etc/kvyard/tls", "readOnly": True} in c["volumeMounts"]
+    # kubelet probes the TLS port over HTTPS
+    assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http", "scheme": "HTTPS"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
+    # the rendered command parses with kvyard's CLI into a config with TLS and keys
+    from orchestrator.cli import _build_parser
+
+    ns = _build_parser().parse_args(_substitute(c["args"]))
+    assert (ns.tls_cert, ns.tls_key, ns.api_keys_file) == ("/etc/kvyard/tls/tls.crt", "/etc/kvyard/tls/tls.key",
+                                                           "/etc/kvyard/auth/api-keys.yaml")
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))

@@ -140,7 +140,7 @@ def test_stop_string(sim):
         ("/v1/completions", {"model": MODEL, "prompt": list(range(1025))}, 400, "BadRequestError", "input_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "BadRequestError", "max_tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "BadRequestError", "max_tokens"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "BadRequestError", "n"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "BadRequestError", None),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "a"}, 400, "Bad Request", "body.max_tokens"),
         ("/v1/chat/completions", {"model": MODEL}, 400, "Bad Request", "body.messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2000},

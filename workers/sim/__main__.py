@@ -1,7 +1,8 @@
 """`python -m workers.sim ...`: run the simulated vLLM server (flags: see `workers.sim.config`).
 
 The only place the sim reads the environment: PYTHONHASHSEED, which vLLM uses as the NONE_HASH
-seed for block hashes when set (engines.md §1), so the sim's published hashes match vLLM's.
+seed for block hashes when set (engines.md §1), so the sim's published hashes match vLLM's; and
+VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, where a vLLM-flavor prefill serves its KV (engines.md §3).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from workers.sim.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_args(argv if argv is not None else sys.argv[1:], hash_seed=os.environ.get("PYTHONHASHSEED"))
+    cfg = parse_args(argv if argv is not None else sys.argv[1:], hash_seed=os.environ.get("PYTHONHASHSEED"), env=os.environ)
     import uvicorn
 
     from workers.sim.server import build_app

@@ -1,6 +1,8 @@
 """`SimBackend`: kvyard's Backend for the simulated engine (`python -m workers.sim`).
 
-The sim speaks vLLM 0.32's protocol, so metrics parsing and KV-event decoding are vLLM's. For the sim,
+The sim speaks vLLM 0.32's protocol, so metrics parsing and KV-event decoding are vLLM's (a sim playing
+SGLang or TRT-LLM with `--flavor` is read too: its metrics by their format, and SGLang's KV events
+decode with vLLM's decoder, which ignores their extra fields and normalises signed hashes). For the sim,
 `EngineLaunchConfig.model` is the profile name (or a profile directory); KV-event settings become a
 vLLM `--kv-events-config` JSON; `extra_args` are appended (e.g. `["--speedup", "10"]`). The frontend
 tokenizes with the bundled tokenizer at `SIM_TOKENIZER_DIR`.
@@ -36,8 +38,20 @@ class SimBackend:
         return LaunchSpec(argv=argv, env=dict(cfg.env))
 
     def parse_metrics(self, text: str) -> EngineMetrics:
-        from workers.vllm.metrics import parse_vllm_metrics  # the sim exposes vLLM's metric names
+        """vLLM's names by default; a sim started with `--flavor sglang|trtllm` serves that engine's
+        `/metrics` (sglang:* Prometheus names, TRT-LLM JSON iteration stats), read here as well."""
+        from workers.vllm.metrics import parse_vllm_metrics
 
+        if not isinstance(text, str):
+            return EngineMetrics()
+        if text.lstrip().startswith("["):
+            from workers.sim.flavors import parse_trtllm_stats
+
+            return parse_trtllm_stats(text)
+        if "vllm:" not in text and "sglang:" in text:
+            from workers.sim.flavors import parse_sglang_metrics
+
+            return parse_sglang_metrics(text)
         return parse_vllm_metrics(text)
 
     def decode_kv_frames(self, frames: list[bytes]) -> KvEventBatch:

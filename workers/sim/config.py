@@ -12,18 +12,31 @@ Sim flags:
   --seed 0 (output text)   --hash-seed (NONE_HASH seed; the CLI passes PYTHONHASHSEED like vLLM does)
   --uvicorn-loop auto|asyncio|uvloop   --uvicorn-http auto|h11|httptools (auto: the fastest installed)
 Unknown vLLM flags are accepted and ignored, so a vLLM command line runs unchanged.
+
+P/D disaggregation (workers/sim/disagg.py), each engine's own switches:
+  --flavor vllm|sglang|trtllm (default vllm; which engine's hand-off protocol the sim speaks)
+  vllm:   --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}' (+ kv_load_failure_policy,
+          engine_id, kv_connector_extra_config.kv_lease_duration); side channel on VLLM_NIXL_SIDE_CHANNEL_HOST
+          (default localhost) : VLLM_NIXL_SIDE_CHANNEL_PORT (default 5600), read from the environment like vLLM
+  sglang: --disaggregation-mode null|prefill|decode   --disaggregation-bootstrap-port 8998 (prefill side)
+  trtllm: the role comes from each request's disaggregated_params.request_type
+  all:    --kv-transfer-bandwidth-gbps 25 (GB/s)   --kv-transfer-latency-ms 1.0   --kv-bytes-per-token (default:
+          from the profile's model, see disagg.default_kv_bytes_per_token)   --kv-transfer-timeout 300 (s; SGLang:
+          how long a decode waits for its room and a prefill holds unread KV; TRT-LLM: how long unread KV is held)
+          --kv-side-channel-port (overrides the flavor's side-channel port; 0 = ephemeral; TRT-LLM default 0)
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from workers.sim.disagg import FLAVORS, KvTransferConfig
 from workers.sim.hashing import DEFAULT_SEED
 from workers.sim.profiles import BUNDLED, DEFAULT_PROFILE
 
@@ -74,6 +87,24 @@ class SimConfig:
     log_level: str = "warning"
     uvicorn_loop: str = "auto"  # auto picks uvloop when installed
     uvicorn_http: str = "auto"  # auto picks httptools when installed
+    flavor: str = "vllm"
+    kv_transfer: KvTransferConfig | None = None
+    disaggregation_mode: str = "null"
+    bootstrap_port: int = 8998
+    side_channel_host: str = "localhost"
+    side_channel_port: int = 5600
+    kv_transfer_bandwidth_gbps: float = 25.0
+    kv_transfer_latency_ms: float = 1.0
+    kv_bytes_per_token: int | None = None
+    kv_transfer_timeout: float = 300.0
+
+    @property
+    def disagg_enabled(self) -> bool:
+        if self.flavor == "vllm":
+            return self.kv_transfer is not None and self.kv_transfer.is_nixl
+        if self.flavor == "sglang":
+            return self.disaggregation_mode != "null"
+        return self.flavor == "trtllm"
 
     @property
     def model_name(self) -> str:
@@ -101,17 +132,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning")
     p.add_argument("--uvicorn-loop", choices=["auto", "asyncio", "uvloop"], default="auto")
     p.add_argument("--uvicorn-http", choices=["auto", "h11", "httptools"], default="auto")
+    p.add_argument("--flavor", choices=FLAVORS, default="vllm")
+    p.add_argument("--kv-transfer-config", default=None)
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    p.add_argument("--kv-transfer-bandwidth-gbps", type=float, default=25.0)
+    p.add_argument("--kv-transfer-latency-ms", type=float, default=1.0)
+    p.add_argument("--kv-bytes-per-token", type=int, default=None)
+    p.add_argument("--kv-transfer-timeout", type=float, default=300.0)
+    p.add_argument("--kv-side-channel-port", type=int, default=None)
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None) -> SimConfig:
-    """CLI -> SimConfig. `hash_seed` is what the entry point read from PYTHONHASHSEED (or None)."""
+def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None, env: Mapping[str, str] | None = None) -> SimConfig:
+    """CLI -> SimConfig. `hash_seed` is what the entry point read from PYTHONHASHSEED (or None); `env`
+    supplies VLLM_NIXL_SIDE_CHANNEL_HOST/PORT (the entry point passes os.environ)."""
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
+    env = env or {}
     if ns.model is None and unknown and not unknown[0].startswith("-"):
         ns.model = unknown[0]  # `vllm serve MODEL` style positional
     if ns.speedup <= 0:
         parser.error("--speedup must be > 0")
+    if ns.kv_transfer_bandwidth_gbps <= 0 or ns.kv_transfer_latency_ms < 0 or ns.kv_transfer_timeout <= 0:
+        parser.error("--kv-transfer-bandwidth-gbps and --kv-transfer-timeout must be > 0, --kv-transfer-latency-ms >= 0")
+    if ns.kv_bytes_per_token is not None and ns.kv_bytes_per_token <= 0:
+        parser.error("--kv-bytes-per-token must be > 0")
+    try:
+        kv_transfer = KvTransferConfig.model_validate_json(ns.kv_transfer_config) if ns.kv_transfer_config else None
+    except ValueError as exc:
+        parser.error(f"--kv-transfer-config: {exc}")
+    # vLLM: its env var; SGLang/TRT-LLM: the sim's own --host (the side channel listens where HTTP does)
+    side_host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost") if ns.flavor == "vllm" else ns.host
+    if ns.kv_side_channel_port is not None:
+        side_port = ns.kv_side_channel_port
+    elif ns.flavor == "vllm":
+        side_port = int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+    elif ns.flavor == "sglang":
+        side_port = ns.disaggregation_bootstrap_port
+    else:
+        side_port = 0
     if ns.profile:
         profile = ns.profile
     elif ns.model and (ns.model in BUNDLED or (Path(ns.model) / "prefill.npz").is_file()):
@@ -120,6 +180,8 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None) 
         profile = DEFAULT_PROFILE
     model = ns.model or profile
     kv = KvEventsConfig.model_validate_json(ns.kv_events_config) if ns.kv_events_config else KvEventsConfig()
+    if ns.flavor == "sglang" and kv.publisher == "zmq":  # SGLang's config has no enable flag: a zmq publisher is on
+        kv.enable_kv_cache_events = True
     return SimConfig(
         host=ns.host,
         port=ns.port,
@@ -140,4 +202,14 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None) 
         log_level=ns.log_level,
         uvicorn_loop=ns.uvicorn_loop,
         uvicorn_http=ns.uvicorn_http,
+        flavor=ns.flavor,
+        kv_transfer=kv_transfer,
+        disaggregation_mode=ns.disaggregation_mode,
+        bootstrap_port=ns.disaggregation_bootstrap_port,
+        side_channel_host=side_host,
+        side_channel_port=side_port,
+        kv_transfer_bandwidth_gbps=ns.kv_transfer_bandwidth_gbps,
+        kv_transfer_latency_ms=ns.kv_transfer_latency_ms,
+        kv_bytes_per_token=ns.kv_bytes_per_token,
+        kv_transfer_timeout=ns.kv_transfer_timeout,
     )

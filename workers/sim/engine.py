@@ -10,6 +10,12 @@ The next step starts at the previous deadline, not at wake-up time, so sleep ove
 overhead do not accumulate; if the loop falls more than `max_lag_s` behind (an overloaded CPU), it
 re-anchors to now instead of bursting. A step that starts an idle engine is anchored at the arrival of
 the request that woke it (a GPU would have started right away). Aborts (client disconnect, stop strings) free blocks at once.
+
+P/D hooks (set by the server when disaggregation is on, see workers/sim/disagg.py): `loader(source,
+prompt_tokens, local_hit_tokens)` pulls an admitted decode request's KV (a task per request, running
+beside the step loop like a connector's async load); `on_held(request_id, num_tokens)` is told when a
+prefill finished with its blocks held (False: nobody holds them, free now); `on_ended(request_id,
+finish_reason)` when any request ends.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from workers.sim.kv_manager import KvBlockManager
 from workers.sim.metrics import SimMetrics
@@ -57,13 +64,29 @@ class RequestStream:
     async def next(self) -> tuple[list[int], str | None]:
         """Wait for new tokens (or the end); returns (new tokens, finish_reason or None)."""
         while not self.tokens and self.finish_reason is None:
-            self._waiter = asyncio.get_running_loop().create_future()
+            fut = self._waiter = asyncio.get_running_loop().create_future()
             try:
-                await self._waiter
+                await fut
             finally:
-                self._waiter = None
+                if self._waiter is fut:  # a cancelled wait() must not clear a newer waiter
+                    self._waiter = None
         toks, self.tokens = self.tokens, []
         return toks, self.finish_reason
+
+    @property
+    def ready(self) -> bool:
+        """`next()` would return at once."""
+        return bool(self.tokens) or self.finish_reason is not None
+
+    async def wait(self) -> None:
+        """Wait until `ready`, consuming nothing (for a reader of several streams)."""
+        while not self.tokens and self.finish_reason is None:
+            fut = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await fut
+            finally:
+                if self._waiter is fut:  # a cancelled wait() must not clear a newer waiter
+                    self._waiter = None
 
 
 class SimEngine:
@@ -94,6 +117,11 @@ class SimEngine:
         self._overshoot = 0.0  # learned lateness of time.sleep, subtracted from the next sleeps
         self.dropped_time = 0.0  # profile time lost to CPU overload (re-anchoring), seconds wall
         self._last_lag_warning = float("-inf")
+        self.loader: Callable[[Any, int, int], Awaitable[bool]] | None = None
+        self.on_held: Callable[[str, int], bool] | None = None
+        self.on_ended: Callable[[str, str], None] | None = None
+        self._loads: dict[str, asyncio.Task[None]] = {}
+        self.iteration_stats: Any = None  # flavors.TrtllmIterationStats when the sim plays TRT-LLM
 
     # ---- intake --------------------------------------------------------------------------------
     def submit(
@@ -106,8 +134,11 @@ class SimEngine:
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
         arrival: float | None = None,
+        hold_blocks: bool = False,
+        remote: Any = None,
     ) -> RequestStream:
-        """Queue a request; `arrival` (engine clock) defaults to now. Never blocks."""
+        """Queue a request; `arrival` (engine clock) defaults to now. Never blocks. `hold_blocks`: a
+        prefill whose blocks a remote decode reads; `remote`: a decode whose prompt KV is pulled."""
         req = SimRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -115,6 +146,8 @@ class SimEngine:
             token_source=token_source,
             stop_token_ids=frozenset(stop_token_ids),
             min_tokens=min_tokens,
+            hold_blocks=hold_blocks,
+            remote=remote,
         )
         idle = not self.scheduler.has_work
         self.scheduler.add_request(req)
@@ -128,11 +161,51 @@ class SimEngine:
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Stop a request now (disconnect, stop string); its blocks are freed immediately."""
         stream = self.streams.pop(request_id, None)
+        load = self._loads.pop(request_id, None)
+        if load is not None:
+            load.cancel()
         req = self.scheduler.abort(request_id, reason)
         if stream is not None and req is not None:
             stream.finish_reason = req.finish_reason
             self._record_finish(stream, self.clock())
             stream._wake()
+        if req is not None and self.on_ended is not None:
+            self.on_ended(request_id, req.finish_reason or reason)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free a finished prefill's held blocks (its KV was read, expired or abandoned)."""
+        return self.scheduler.release_held(request_id)
+
+    # ---- remote KV loads (P/D decode side) -----------------------------------------------------
+    def _start_load(self, req: SimRequest, hit_tokens: int) -> None:
+        task = asyncio.get_running_loop().create_task(self._load(req, hit_tokens))
+        self._loads[req.request_id] = task
+
+    async def _load(self, req: SimRequest, hit_tokens: int) -> None:
+        ok = False
+        try:
+            if self.loader is not None:
+                ok = await self.loader(req.remote, req.num_prompt_tokens, hit_tokens)
+        except asyncio.CancelledError:
+            return  # aborted: abort() already cleaned up
+        except Exception:  # a bug in a load must fail the request, not the engine
+            log.exception("remote KV load of %s failed", req.request_id)
+        finally:
+            self._loads.pop(req.request_id, None)
+        recompute = bool(getattr(req.remote, "recompute_on_failure", False))
+        idle = not self.scheduler.has_work
+        failed = self.scheduler.finish_remote_load(req.request_id, ok, recompute)
+        if failed is not None:
+            s = self.streams.pop(req.request_id, None)
+            if s is not None:
+                s.finish_reason = "error"
+                self._record_finish(s, self.clock())
+                s._wake()
+            if self.on_ended is not None:
+                self.on_ended(req.request_id, "error")
+        elif idle and self.scheduler.has_work:
+            self._kick = self.clock()
+            self._wake.set()
 
     # ---- loop ----------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -149,8 +222,13 @@ class SimEngine:
             if next_start is not None and start > next_start:
                 self._fell_behind(now - next_start)
             plan = sched.schedule()
-            if not plan:  # nothing fits right now (safety net; startup checks make this rare)
-                await asyncio.sleep(0.005)
+            for req, hit in plan.remote_loads:
+                self._start_load(req, hit)
+            if not plan:
+                if plan.remote_loads:  # only pulls started: nothing to compute until one lands
+                    next_start = None
+                    continue
+                await asyncio.sleep(0.005)  # nothing fits right now (safety net; startup checks make this rare)
                 next_start = None
                 continue
             for req in plan.newly_admitted:
@@ -160,7 +238,10 @@ class SimEngine:
             dt = self.timing.step_ms(plan.prefill_chunks, plan.decode_contexts, plan.starts_prefill) / 1000.0
             deadline = start + dt
             await self._sleep_until(deadline)
-            self._finish_step(plan, self.clock())
+            finished = self._finish_step(plan, self.clock())
+            if self.iteration_stats is not None:  # TRT-LLM flavor's JSON /metrics
+                self.iteration_stats.record(dt * 1000.0, len(plan.prefill_chunks), len(plan.decode_contexts),
+                                            sum(n for _, n in plan.prefill_chunks), finished)
             self.steps += 1
             self.busy_time += dt
             next_start = deadline
@@ -203,7 +284,8 @@ class SimEngine:
                 "lower --speedup or the load", lag * 1000, self.dropped_time,
             )
 
-    def _finish_step(self, plan: StepPlan, now: float) -> None:
+    def _finish_step(self, plan: StepPlan, now: float) -> int:
+        """Apply a step's results to the streams; returns how many requests finished."""
         streams = self.streams
         result = self.scheduler.update_from_output(plan)
         m = self.metrics
@@ -232,10 +314,15 @@ class SimEngine:
                 s.finish_reason = req.finish_reason
                 self._record_finish(s, now)
                 s._wake()
+            if req.hold_blocks and (self.on_held is None or not self.on_held(req.request_id, req.num_computed_tokens)):
+                self.scheduler.release_held(req.request_id)
+            if self.on_ended is not None:
+                self.on_ended(req.request_id, req.finish_reason or "stop")
         if self.publisher is not None:
             self.publisher.publish(self.kv.take_events())
         else:
             self.kv.take_events()
+        return len(result.finished)
 
     def _record_finish(self, s: RequestStream, now: float) -> None:
         if self.metrics is not None:
@@ -252,6 +339,9 @@ class SimEngine:
         return {
             "num_requests_running": float(len(s.running)),
             "num_requests_waiting": float(len(s.waiting)),
+            "num_requests_waiting_deferred": float(s.num_loading),
+            "external_kv_tokens": float(s.external_tokens),
+            "num_held": float(len(s.held)),
             "kv_cache_usage_perc": self.kv.usage,
             "prefix_cache_queries": float(s.prefix_queries),
             "prefix_cache_hits": float(s.prefix_hits),

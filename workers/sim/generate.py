@@ -8,14 +8,24 @@ Request id: `X-Request-Id` header, else body `request_id`, else 16 random hex; t
 (no hold-back: a stop string split across chunks may already be partly streamed); the text is cut
 at the match, `finish_reason="stop"`, `stop_reason=<the string>`, and the engine request is aborted.
 A client disconnect (streaming or not) aborts the engine request and frees its blocks.
+`n > 1`: n engine requests on the same prompt (the later ones hit its blocks in the prefix cache, as
+vLLM's parallel samples do), each with its own output sequence (`temperature: 0`: all the same);
+choices 0..n-1, one choice per streamed chunk, usage over all of them; `best_of` is ignored (vLLM V1).
+`return_token_ids` (vLLM flavor): each chunk lists all the ids of its delta, however many coalesced.
 Arrival is taken when the handler starts: the profile's TTFT is what a client measured against vLLM
 (HTTP, tokenization and hashing included), so the sim's own request processing is not added on top.
+
+P/D hand-offs (workers/sim/disagg.py) hook in here: the request's role comes from its body
+(`DisaggRuntime.classify`); a prefill's non-streaming response carries the flavor's hand-off fields;
+a decode whose KV load failed answers 500 (streaming: an error event, then [DONE]) like vLLM's
+GenerationError; a vLLM decode refused before reaching the engine still frees its prefill's blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,9 +34,17 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from workers.sim.disagg import Handoff
 from workers.sim.engine import RequestStream
-from workers.sim.protocol import ApiError, ChatCompletionRequest, CompletionRequest, bad_request, parse_body, validate_sampling
-from workers.sim.responses import SSE_DONE, ChunkWriter, chat_body, completion_body, usage_dict
+from workers.sim.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    parse_body,
+    validate_sampling,
+)
+from workers.sim.responses import SSE_DONE, Choice, ChunkWriter, chat_body, completion_body, usage_dict
 from workers.sim.server import SimState, error_response
 from workers.sim.text import TextSource
 
@@ -70,19 +88,26 @@ def _effective_max_tokens(st: SimState, requested: int | None, prompt_len: int, 
 
 
 class _Output:
-    """Accumulated output text with stop-string matching."""
+    """Accumulated output text and token ids of one choice, with stop-string matching."""
 
     def __init__(self, text: TextSource, stops: list[str], include_stop: bool, min_tokens: int) -> None:
         self.src, self.stops, self.include_stop, self.min_tokens = text, stops, include_stop, min_tokens
         self.longest = max((len(s) for s in stops), default=0)
         self.text = ""
-        self.n_tokens = 0
+        self.ids: list[int] = []
         self.stop_hit: str | None = None
 
-    def add(self, toks: list[int]) -> str:
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+    def add(self, toks: list[int]) -> tuple[str, list[int]]:
+        """New tokens (several when the reader lagged) -> (text delta, the ids of that delta).
+
+        On a stop string the tokens after the one that completed it are dropped, as vLLM stops
+        there (they exist only because the sim coalesced several steps into one read)."""
         new = self.src.text(toks)
-        self.n_tokens += len(toks)
-        if self.stops and self.n_tokens >= self.min_tokens:
+        if self.stops and len(self.ids) + len(toks) >= self.min_tokens:
             full = self.text + new
             start = max(0, len(self.text) - self.longest + 1)
             best: tuple[int, str] | None = None
@@ -91,12 +116,21 @@ class _Output:
                 if i >= 0 and (best is None or i < best[0]):
                     best = (i, s)
             if best is not None:
+                end = best[0] + len(best[1])  # the token holding the match's last character ends the output
+                pos, kept = len(self.text), 0
+                strings = self.src.strings
+                while kept < len(toks) and pos < end:
+                    pos += len(strings[toks[kept]])
+                    kept += 1
+                toks = toks[:max(kept, 1)]
                 cut = best[0] + (len(best[1]) if self.include_stop else 0)
                 delta = full[len(self.text):cut] if cut > len(self.text) else ""
                 self.text, self.stop_hit = full[:cut], best[1]
-                return delta
+                self.ids.extend(toks)
+                return delta, toks
         self.text += new
-        return new
+        self.ids.extend(toks)
+        return new, toks
 
 
 async def _wait_disconnect(receive: Callable[[], Any]) -> None:
@@ -137,83 +171,194 @@ class _SSEResponse:
             self.on_end()
 
 
+def _handoff(st: SimState, body: Any) -> Handoff | None:
+    """The request's P/D role under this sim's flavor (None: a plain request); 400 on missing fields."""
+    if st.disagg is None:
+        return None
+    fields = dict(body.model_extra or {})
+    fields["kv_transfer_params"] = body.kv_transfer_params
+    h = st.disagg.classify(fields)
+    if isinstance(h, list):
+        raise bad_request(f"Missing or invalid disaggregation fields: {', '.join(h)}.", h[0].split(" ")[0])
+    return h
+
+
+def _load_error(st: SimState, h: Handoff | None) -> ApiError:
+    """A decode whose KV never arrived: vLLM raises GenerationError("Internal server error") (500)."""
+    detail = h.remote.error if h is not None and h.remote is not None else None
+    message = "Internal server error" if st.cfg.flavor == "vllm" or not detail else f"KV transfer failed: {detail}"
+    return ApiError(message, "InternalServerError", 500)
+
+
+def _cached_tokens(stream: RequestStream, h: Handoff | None) -> int:
+    """Prompt tokens reported as cached. vLLM 0.32 reports a remote-prefilled request's cache hits as the
+    prefill's (`remote_prefill_cached_tokens`, output_processor.py), not its own ~100% hit from the transfer."""
+    if h is not None and h.role == "decode" and h.remote_cached_tokens is not None:
+        return h.remote_cached_tokens
+    return max(stream.req.num_cached_tokens, 0)
+
+
+def _reject_cleanup(st: SimState, body: Any) -> None:
+    """vLLM `_with_kv_transfer_rejection_cleanup`: a decode refused before the engine frees its prefill's blocks."""
+    params = getattr(body, "kv_transfer_params", None) if body is not None else None
+    if st.disagg is not None and st.cfg.flavor == "vllm" and isinstance(params, dict) and params.get("do_remote_prefill"):
+        st.disagg.notify_rejected(params)
+
+
+async def _wait_any(streams: list[RequestStream]) -> None:
+    """Wait until one of several streams has output."""
+    waits = [asyncio.ensure_future(s.wait()) for s in streams]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: Any, prompt_ids: list[int], max_tokens: int,
-                    echo_text: str | None, arrival: float) -> Any:
+                    echo_text: str | None, arrival: float, handoff: Handoff | None = None) -> Any:
+    """Run the request's `n` sequences (one engine request each, sharing the prompt's KV through the
+    prefix cache like vLLM's parallel sampling) and answer in one body or as SSE chunks."""
     engine = st.engine
+    n = body.n
+    if n > 1 and handoff is not None:
+        raise bad_request("n > 1 is not supported on a P/D hand-off by the kvyard sim engine.", "n", n)
     key = f"{rid}-{next(_counter)}"
-    stream: RequestStream = engine.submit(
-        key, prompt_ids, max_tokens, st.text.source(prompt_ids), min_tokens=body.min_tokens,
-        stop_token_ids=body.stop_token_ids or (), arrival=arrival,
-    )
-    out = _Output(st.text, body.stop_list(), body.include_stop_str_in_output, body.min_tokens)
+    keys = [key] if n == 1 else [f"{key}-{i}" for i in range(n)]
+    h = handoff
+    if h is not None and h.role == "decode" and h.remote is not None and h.remote.state == "failed" and h.remote.recompute_on_failure:
+        h = None  # vLLM, invalid params under kv_load_failure_policy=recompute: a plain local prefill
+    if h is not None and h.max_tokens is not None:
+        max_tokens = min(max_tokens, h.max_tokens)
+    greedy = body.temperature == 0  # greedy samples are all the same sequence
+    streams: list[RequestStream] = [
+        engine.submit(
+            k, prompt_ids, max_tokens, st.text.source(prompt_ids, 0 if greedy else i), min_tokens=body.min_tokens,
+            stop_token_ids=body.stop_token_ids or (), arrival=arrival,
+            hold_blocks=h is not None and h.role == "prefill", remote=h.remote if h is not None and h.role == "decode" else None,
+        )
+        for i, k in enumerate(keys)
+    ]
+    stream = streams[0]
+    if h is not None:
+        assert st.disagg is not None
+        st.disagg.submitted(key, h)
+    outs = [_Output(st.text, body.stop_list(), body.include_stop_str_in_output, body.min_tokens) for _ in keys]
+    want_ids = bool(body.return_token_ids) and st.cfg.flavor == "vllm"  # a vLLM field; the other engines ignore it
+    if want_ids and echo_text is not None:
+        echo_text = ""  # vLLM 0.32: with return_token_ids, echo adds no prompt text
+    prompt_list = list(prompt_ids) if want_ids else None
     created = int(time.time())
     model = st.cfg.model_name
     details = st.cfg.enable_prompt_tokens_details
 
-    async def next_piece() -> tuple[str, str | None, Any]:
-        toks, finish = await stream.next()
-        delta = out.add(toks)
+    async def next_piece(i: int) -> tuple[str, list[int], str | None, Any]:
+        toks, finish = await streams[i].next()
+        out = outs[i]
+        delta, ids = out.add(toks)
         if out.stop_hit is not None:
-            engine.abort(key, "stop")
-            return delta, "stop", out.stop_hit
-        return delta, finish, stream.req.stop_reason
+            engine.abort(keys[i], "stop")
+            return delta, ids, "stop", out.stop_hit
+        return delta, ids, finish, streams[i].req.stop_reason
+
+    def abort_all() -> None:
+        for k in keys:
+            engine.abort(k)  # no-op when the request already finished
 
     if body.stream:
         opts = body.stream_options
         writer = ChunkWriter(chat, rid, created, model, st.fingerprint, len(prompt_ids),
                              bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats),
                              prompt_details=details)
-
+        active = list(range(n))
+        started = [False] * n
         state = {"first": True, "done": False}
 
         async def produce() -> bytes | None:
             if state["done"]:
                 return None
-            delta, finish, stop_reason = await next_piece()
+            if n == 1:
+                ready = active  # next() waits
+            else:
+                ready = [i for i in active if streams[i].ready]
+                if not ready:
+                    await _wait_any([streams[i] for i in active])
+                    ready = [i for i in active if streams[i].ready]
             parts = []
-            if state["first"]:
-                state["first"] = False
-                writer.cached_tokens = max(stream.req.num_cached_tokens, 0)
-                if chat:
-                    parts.append(writer.role())
-                elif echo_text is not None:
-                    delta = echo_text + delta
-            parts.append(writer.content(delta, out.n_tokens, finish, stop_reason))
-            if finish is not None:
+            for i in list(ready):
+                delta, ids, finish, stop_reason = await next_piece(i)
+                if finish == "error":  # vLLM: the GenerationError as an SSE error event, then [DONE]
+                    state["done"] = True
+                    err = _load_error(st, h).body(st.cfg.flavor)
+                    return f"data: {json.dumps(err)}\n\n".encode() + SSE_DONE
+                if state["first"]:
+                    state["first"] = False
+                    writer.cached_tokens = _cached_tokens(stream, h)
+                    if chat:  # vLLM sends every choice's role chunk before the first content
+                        parts.extend(writer.role(j, prompt_list) for j in range(n))
+                prompt_first = None
+                if not started[i]:
+                    started[i] = True
+                    if not chat:
+                        prompt_first = prompt_list
+                        if echo_text is not None:
+                            delta = echo_text + delta
+                parts.append(writer.content(delta, outs[i].n_tokens, finish, stop_reason, ids if want_ids else None,
+                                            prompt_first, index=i))
+                if finish is not None:
+                    active.remove(i)
+            if not active:
                 state["done"] = True
                 if writer.include_usage:
-                    parts.append(writer.usage(out.n_tokens))
+                    parts.append(writer.usage(sum(o.n_tokens for o in outs)))
                 parts.append(SSE_DONE)
             return parts[0] if len(parts) == 1 else b"".join(parts)
 
         def on_end() -> None:
-            engine.abort(key)  # no-op when the request already finished
+            abort_all()
             st.server_load -= 1
+            if st.disagg is not None:
+                st.disagg.forget_prefill(key)  # a streamed prefill carries no hand-off fields
 
-        return _SSEResponse(produce, lambda: engine.abort(key), on_end)
+        return _SSEResponse(produce, abort_all, on_end)
 
-    collect = asyncio.ensure_future(_collect(next_piece))
+    collect = asyncio.ensure_future(asyncio.gather(*(_collect(next_piece, i) for i in range(n))))
     watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if collect not in done:
             collect.cancel()
-            engine.abort(key)
+            abort_all()
             return Response(status_code=499)
-        finish, stop_reason = collect.result()
+        ends = collect.result()
     finally:
         watcher.cancel()
         st.server_load -= 1
-    cached = max(stream.req.num_cached_tokens, 0)
-    usage = usage_dict(len(prompt_ids), out.n_tokens, cached, details)
-    text = out.text if echo_text is None else echo_text + out.text
+        prefill = st.disagg.forget_prefill(key) if st.disagg is not None else None
+    if any(finish == "error" for finish, _ in ends):
+        abort_all()
+        return error_response(_load_error(st, h), st.cfg.flavor)
+    cached = _cached_tokens(stream, h)
+    usage = usage_dict(len(prompt_ids), sum(o.n_tokens for o in outs), cached, details)
+    choices = [Choice(o.text if echo_text is None else echo_text + o.text, finish, stop_reason, o.ids if want_ids else None)
+               for o, (finish, stop_reason) in zip(outs, ends)]
     build = chat_body if chat else completion_body
-    return Response(build(rid, created, model, text, finish, stop_reason, usage, st.fingerprint, None), media_type="application/json")
+    kv_params, choice_extra, top_extra = None, None, None
+    held = engine.scheduler.held.get(key)
+    if prefill is not None and held is not None and st.disagg is not None:
+        extras = st.disagg.prefill_extras(key, prefill, list(engine.kv.req_blocks.get(key, ())), held.num_computed_tokens,
+                                          cached, held.output_token_ids[:1])
+        kv_params = extras.get("kv_transfer_params")
+        if "disaggregated_params" in extras:  # TRT-LLM: in the choice, plus the prompt ids at the top
+            choice_extra = {"disaggregated_params": extras["disaggregated_params"]}
+            top_extra = {"prompt_token_ids": list(prompt_ids)}
+    return Response(build(rid, created, model, choices, None, None, usage, st.fingerprint, kv_params, choice_extra, top_extra,
+                          prompt_list), media_type="application/json")
 
 
-async def _collect(next_piece: Callable[[], Any]) -> tuple[str | None, Any]:
+async def _collect(next_piece: Callable[[int], Any], i: int) -> tuple[str | None, Any]:
     while True:
-        _delta, finish, stop_reason = await next_piece()
+        _delta, _ids, finish, stop_reason = await next_piece(i)
         if finish is not None:
             return finish, stop_reason
 
@@ -222,9 +367,11 @@ async def completions(request: Request) -> Any:
     st: SimState = request.app.state.sim
     st.server_load += 1
     arrival = st.engine.clock()
+    body = None
     try:
         body = parse_body(await request.body(), CompletionRequest)
         st.check_model(body.model)
+        handoff = _handoff(st, body)
         validate_sampling(body)
         _check_max_tokens(body.max_tokens, "max_tokens", st.cfg.max_model_len)
         prompt = body.prompt
@@ -243,10 +390,11 @@ async def completions(request: Request) -> Any:
         max_tokens = _effective_max_tokens(st, body.max_tokens if body.max_tokens is not None else 16, len(ids), body.min_tokens)
         echo = (prompt if isinstance(prompt, str) else st.tokenizer.decode(ids)) if body.echo else None
         rid = "cmpl-" + _base_id(request, body.request_id)
-        return await _generate(st, request, False, rid, body, ids, max_tokens, echo, arrival)
+        return await _generate(st, request, False, rid, body, ids, max_tokens, echo, arrival, handoff)
     except ApiError as err:
         st.server_load -= 1
-        return error_response(err)
+        _reject_cleanup(st, body)
+        return error_response(err, st.cfg.flavor)
 
 
 def _messages_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -263,12 +411,20 @@ async def chat_completions(request: Request) -> Any:
     st: SimState = request.app.state.sim
     st.server_load += 1
     arrival = st.engine.clock()
+    body = None
     try:
         body = parse_body(await request.body(), ChatCompletionRequest)
         st.check_model(body.model)
+        handoff = _handoff(st, body)
         validate_sampling(body)
         requested, param = body.requested_max_tokens()
         _check_max_tokens(requested, param, st.cfg.max_model_len)
+        if st.cfg.flavor == "trtllm" and body.prompt_token_ids:  # TRT-LLM generation_only: the ctx prompt ids
+            ids = list(body.prompt_token_ids)
+            _check_prompt_len(st, len(ids), from_text=False)
+            max_tokens = _effective_max_tokens(st, requested, len(ids), body.min_tokens)
+            rid = "chatcmpl-" + _base_id(request, body.request_id)
+            return await _generate(st, request, True, rid, body, ids, max_tokens, None, arrival, handoff)
         try:
             text = st.tokenizer.apply_chat_template(
                 _messages_text(body.messages), add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {})
@@ -279,7 +435,8 @@ async def chat_completions(request: Request) -> Any:
         _check_prompt_len(st, len(ids), from_text=True)
         max_tokens = _effective_max_tokens(st, requested, len(ids), body.min_tokens)
         rid = "chatcmpl-" + _base_id(request, body.request_id)
-        return await _generate(st, request, True, rid, body, ids, max_tokens, None, arrival)
+        return await _generate(st, request, True, rid, body, ids, max_tokens, None, arrival, handoff)
     except ApiError as err:
         st.server_load -= 1
-        return error_response(err)
+        _reject_cleanup(st, body)
+        return error_response(err, st.cfg.flavor)

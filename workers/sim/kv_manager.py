@@ -95,9 +95,12 @@ class KvBlockManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[int] = (),
         max_model_len: int | None = None,
+        cache: bool = True,
     ) -> bool:
         """Give `req_id` room for `num_new_tokens` more tokens after `num_computed_tokens` (which
-        already includes the prefix hit `new_computed_blocks`). False (and no change) if blocks run out."""
+        already includes the prefix hit `new_computed_blocks`). False (and no change) if blocks run out.
+        `cache=False` allocates without caching the new full blocks (KV still to arrive from a remote
+        prefill: `cache_blocks` caches them once it has)."""
         bs = self.block_size
         blocks = self.req_blocks.get(req_id)
         if blocks is not None and not new_computed_blocks:  # fast path: a running request's next tokens
@@ -105,7 +108,7 @@ class KvBlockManager:
             if max_model_len is not None and need_tokens > max_model_len:
                 need_tokens = max_model_len
             if -(-need_tokens // bs) <= len(blocks):
-                if self.enable_caching:
+                if self.enable_caching and cache:
                     n_full = min(num_computed_tokens + num_new_tokens, len(all_token_ids)) // bs
                     if n_full > self._num_cached.get(req_id, 0):
                         self._cache_full_blocks(req_id, blocks, all_token_ids, block_hashes, n_full)
@@ -134,10 +137,17 @@ class KvBlockManager:
             self._evict(b)
             self.ref_cnt[b] = 1
             blocks.append(b)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             n_tokens = min(num_computed_tokens + num_new_tokens, len(all_token_ids))
             self._cache_full_blocks(req_id, blocks, all_token_ids, block_hashes, n_tokens // bs)
         return True
+
+    def cache_blocks(self, req_id: str, all_token_ids: Sequence[int], block_hashes: Sequence[bytes], num_tokens: int) -> None:
+        """Cache a request's full blocks up to `num_tokens` (KV that arrived from a remote prefill:
+        one BlockStored, like vLLM's `cache_blocks` after a finished receive)."""
+        blocks = self.req_blocks.get(req_id)
+        if blocks and self.enable_caching:
+            self._cache_full_blocks(req_id, blocks, all_token_ids, block_hashes, min(num_tokens, len(all_token_ids)) // self.block_size)
 
     def free(self, req_id: str) -> None:
         """Release a finished, aborted or preempted request's blocks (tail first)."""

@@ -171,7 +171,8 @@ class SimMetrics:
             "num_requests_waiting_by_reason",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = "
             "deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
-            [*L, "reason"], [([*lv, "capacity"], g["num_requests_waiting"]), ([*lv, "deferred"], 0.0)],
+            [*L, "reason"], [([*lv, "capacity"], g["num_requests_waiting"] - g.get("num_requests_waiting_deferred", 0.0)),
+                             ([*lv, "deferred"], g.get("num_requests_waiting_deferred", 0.0))],
         )
         yield self._gauge(
             "engine_sleep_state",
@@ -184,8 +185,8 @@ class SimMetrics:
         for name, value, doc in (
             ("prefix_cache_queries", g["prefix_cache_queries"], "Prefix cache queries, in terms of number of queried tokens."),
             ("prefix_cache_hits", hits, "Prefix cache hits, in terms of number of cached tokens."),
-            ("external_prefix_cache_queries", 0.0, "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens."),
-            ("external_prefix_cache_hits", 0.0, "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens."),
+            ("external_prefix_cache_queries", g.get("external_kv_tokens", 0.0), "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens."),
+            ("external_prefix_cache_hits", g.get("external_kv_tokens", 0.0), "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens."),
             ("mm_cache_queries", 0.0, "Multi-modal cache queries, in terms of number of queried items."),
             ("mm_cache_hits", 0.0, "Multi-modal cache hits, in terms of number of cached items."),
             ("num_preemptions", g["num_preemptions"], "Cumulative number of preemption from the engine."),
@@ -193,8 +194,8 @@ class SimMetrics:
         ):
             yield self._counter(name, doc, L, [(lv, value)])
         yield self._counter("prompt_tokens_by_source", "Number of prompt tokens by source.", [*L, "source"], [
-            ([*lv, "local_compute"], self.prompt_tokens - self.prompt_cached), ([*lv, "local_cache_hit"], self.prompt_cached),
-            ([*lv, "external_kv_transfer"], 0.0)])
+            ([*lv, "local_compute"], self.prompt_tokens - self.prompt_cached - g.get("external_kv_tokens", 0.0)),
+            ([*lv, "local_cache_hit"], self.prompt_cached), ([*lv, "external_kv_transfer"], g.get("external_kv_tokens", 0.0))])
         yield self._counter("prompt_tokens_cached", "Number of cached prompt tokens (local + external).", L, [(lv, self.prompt_cached)])
         yield self._counter(
             "prompt_tokens_cached_by_source",

@@ -7,7 +7,8 @@ Errors look exactly like vLLM's: `{"error": {"message", "type", "param", "code"}
   `loc` joined as `body.<field>` (vLLM's RequestValidationError handler);
 - `NotFoundError` / 404 for an unknown model.
 Unknown request fields are accepted and ignored (vLLM logs and ignores them too).
-Sim limitations (400): `n != 1`, `logprobs`/`prompt_logprobs`, several prompts in one request.
+Sim limitations (400): `logprobs`/`prompt_logprobs`, several prompts in one request, `n > 1` on a P/D hand-off.
+`best_of` is accepted and ignored, as vLLM 0.32 (V1) does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ __all__ = [
 ]
 
 
+MAX_N_SEQUENCES = 16384  # vLLM 0.32's VLLM_MAX_N_SEQUENCES default
+
+
 class ApiError(Exception):
     """One OpenAI-style error response."""
 
@@ -35,7 +39,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.message, self.err_type, self.code, self.param = message, err_type, code, param
 
-    def body(self) -> dict[str, Any]:
+    def body(self, flavor: str = "vllm") -> dict[str, Any]:
+        """vLLM 0.32 nests the error; SGLang and TRT-LLM answer their flat `ErrorResponse`
+        {"object": "error", "message", "type", "param", "code"}."""
+        if flavor in ("sglang", "trtllm"):
+            return {"object": "error", "message": self.message, "type": self.err_type, "param": self.param, "code": self.code}
         return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.code}}
 
 
@@ -71,6 +79,7 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None
     request_id: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    return_token_ids: bool | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -86,6 +95,7 @@ class CompletionRequest(_Common):
 
 class ChatCompletionRequest(_Common):
     messages: list[dict[str, Any]]
+    prompt_token_ids: list[int] | None = None  # TRT-LLM generation_only chat requests carry the ctx prompt ids
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
@@ -146,10 +156,11 @@ def validate_sampling(req: _Common) -> None:
     """vLLM's request-level and SamplingParams checks that do not depend on the prompt."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
-    if req.n != 1:
-        if req.n < 1:
-            raise bad_request(f"n must be at least 1, got {req.n}.")
-        raise bad_request(f"n={req.n} is not supported by the kvyard sim engine (only n=1).", "n", req.n)
+    if req.n < 1:
+        raise bad_request(f"n must be at least 1, got {req.n}.")
+    if req.n > MAX_N_SEQUENCES:
+        raise bad_request(f"n must be at most {MAX_N_SEQUENCES}, got {req.n}. To increase this limit, set the "
+                          "VLLM_MAX_N_SEQUENCES environment variable.")
     if req.logprobs not in (None, False) or req.prompt_logprobs is not None:
         raise bad_request("logprobs are not supported by the kvyard sim engine.", "logprobs", req.logprobs)
     if req.temperature is not None:

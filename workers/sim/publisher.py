@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -38,8 +39,13 @@ def is_bind_endpoint(endpoint: str) -> bool:
 
 
 class KvEventPublisher:
-    def __init__(self, cfg: KvEventsConfig, dp_rank: int = 0) -> None:
+    def __init__(self, cfg: KvEventsConfig, dp_rank: int = 0,
+                 encode: Callable[[float, list[KvEvent], int | None], bytes] | None = None,
+                 transform: Callable[[list[KvEvent]], list[KvEvent]] | None = None) -> None:
+        """`encode(ts, events, dp_rank)` / `transform(events)`: another engine's payload (SGLang flavor)."""
         self.cfg = cfg
+        self._encode = encode or (lambda ts, events, dp: encode_batch(ts, events, dp_rank=dp))
+        self._transform = transform
         self.topic = cfg.topic.encode()
         self.dp_rank = dp_rank
         self.seq = 0
@@ -53,9 +59,9 @@ class KvEventPublisher:
 
     @staticmethod
     def _bind(sock: zmq.Socket, endpoint: str) -> str:
-        if endpoint == "tcp://*:0":
-            port = sock.bind_to_random_port("tcp://127.0.0.1")
-            return f"tcp://127.0.0.1:{port}"
+        if endpoint == "tcp://*:0":  # an OS-assigned ephemeral port, like the kernel gives free_port()
+            sock.bind("tcp://127.0.0.1:*")
+            return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         sock.bind(endpoint)
         return endpoint
 
@@ -77,7 +83,9 @@ class KvEventPublisher:
     def publish(self, events: list[KvEvent]) -> None:
         if not events or self._pub is None:
             return
-        payload = encode_batch(time.time(), events, dp_rank=self.dp_rank)
+        if self._transform is not None:
+            events = self._transform(events)
+        payload = self._encode(time.time(), events, self.dp_rank)
         seq = self.seq
         self.seq += 1
         self.buffer.append((seq, payload))

@@ -13,6 +13,12 @@ The final content chunk carries `finish_reason` (+ `system_fingerprint` unless a
 `continuous_usage_stats` adds `usage` to every chunk; chat starts with a role chunk
 `{"delta":{"role":"assistant","content":""}}` sent with the first token. Built from pre-rendered
 string pieces so one chunk costs a few string joins.
+
+`return_token_ids: true` (captured from vLLM 0.32): every choice's `token_ids` lists the generated ids
+(streaming: the ids of that chunk's delta, several when tokens coalesce); the prompt ids go in
+`prompt_token_ids` of each completion choice (streaming: only on each index's first chunk) and, for
+chat, at the top level of the body (streaming: on each index's role chunk). With `n > 1` the choices
+are indexed 0..n-1 and each streamed chunk carries one index.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["ChunkWriter", "dumps", "completion_body", "chat_body", "usage_dict"]
+__all__ = ["Choice", "ChunkWriter", "dumps", "completion_body", "chat_body", "usage_dict"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -40,29 +46,62 @@ def usage_dict(prompt: int, completion: int, cached: int | None, details: bool) 
     }
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish: str | None, stop_reason: Any,
-                    usage: dict[str, Any], fingerprint: str, kv_transfer_params: Any = None) -> str:
-    return dumps({
+class Choice:
+    """One finished choice of a non-streaming body: its text, ending and (with `return_token_ids`) ids."""
+
+    __slots__ = ("text", "finish", "stop_reason", "token_ids")
+
+    def __init__(self, text: str, finish: str | None, stop_reason: Any = None, token_ids: list[int] | None = None) -> None:
+        self.text, self.finish, self.stop_reason, self.token_ids = text, finish, stop_reason, token_ids
+
+
+def _choices(text: str | list[Choice], finish: str | None, stop_reason: Any) -> list[Choice]:
+    return text if isinstance(text, list) else [Choice(text, finish, stop_reason)]
+
+
+def completion_body(rid: str, created: int, model: str, text: str | list[Choice], finish: str | None, stop_reason: Any,
+                    usage: dict[str, Any], fingerprint: str, kv_transfer_params: Any = None,
+                    choice_extra: dict[str, Any] | None = None, top_extra: dict[str, Any] | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+    """`text`: the one choice's text, or the list of choices (n > 1, or token ids); `prompt_token_ids` goes
+    in every choice (vLLM's `return_token_ids`). `choice_extra` / `top_extra`: fields another engine's
+    response adds (TRT-LLM's P/D hand-off)."""
+    return _with_extras({
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason,
-                     "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}],
+        "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish, "stop_reason": c.stop_reason,
+                     "token_ids": c.token_ids, "prompt_logprobs": None, "prompt_token_ids": prompt_token_ids,
+                     "routed_experts": None} for i, c in enumerate(_choices(text, finish, stop_reason))],
         "service_tier": None, "system_fingerprint": fingerprint, "usage": usage,
         "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None, "metrics": None,
-    })
+    }, choice_extra, top_extra)
 
 
-def chat_body(rid: str, created: int, model: str, text: str, finish: str | None, stop_reason: Any,
-              usage: dict[str, Any], fingerprint: str, kv_transfer_params: Any = None) -> str:
-    message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-               "function_call": None, "reasoning": None}
-    return dumps({
+def _with_extras(body: dict[str, Any], choice_extra: dict[str, Any] | None, top_extra: dict[str, Any] | None) -> str:
+    if choice_extra:
+        body["choices"][0].update(choice_extra)
+    if top_extra:
+        body.update(top_extra)
+    return dumps(body)
+
+
+def chat_body(rid: str, created: int, model: str, text: str | list[Choice], finish: str | None, stop_reason: Any,
+              usage: dict[str, Any], fingerprint: str, kv_transfer_params: Any = None,
+              choice_extra: dict[str, Any] | None = None, top_extra: dict[str, Any] | None = None,
+              prompt_token_ids: list[int] | None = None) -> str:
+    """Like `completion_body`; chat puts `prompt_token_ids` once, at the top level."""
+    def message(content: str) -> dict[str, Any]:
+        return {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
+                "function_call": None, "reasoning": None}
+
+    return _with_extras({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish,
-                     "stop_reason": stop_reason, "token_ids": None, "routed_experts": None}],
+        "choices": [{"index": i, "message": message(c.text), "logprobs": None, "finish_reason": c.finish,
+                     "stop_reason": c.stop_reason, "token_ids": c.token_ids, "routed_experts": None}
+                    for i, c in enumerate(_choices(text, finish, stop_reason))],
         "service_tier": None, "system_fingerprint": fingerprint, "usage": usage,
-        "prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None,
+        "prompt_logprobs": None, "prompt_token_ids": prompt_token_ids, "prompt_text": None,
         "kv_transfer_params": kv_transfer_params, "ec_transfer_params": None, "metrics": None,
-    })
+    }, choice_extra, top_extra)
 
 
 class ChunkWriter:
@@ -94,17 +133,29 @@ class ChunkWriter:
         p = self.prompt_tokens
         return f',"usage":{{"prompt_tokens":{p},"total_tokens":{p + completion},"completion_tokens":{completion}{self._usage_extra}'
 
-    def role(self) -> bytes:
+    def role(self, index: int = 0, prompt_token_ids: list[int] | None = None) -> bytes:
+        """Chat's first chunk of choice `index`; vLLM puts the prompt ids (return_token_ids) here."""
         usage = self._usage(0) if self.continuous else ""
-        return (self.head + '[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
-                + usage + ',"prompt_token_ids":null,"prompt_text":null}\n\n').encode()
+        prompt = "null" if prompt_token_ids is None else _ids(prompt_token_ids)
+        return (self.head + f'[{{"index":{index},"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]'
+                + usage + f',"prompt_token_ids":{prompt},"prompt_text":null}}\n\n').encode()
 
-    def content(self, text: str, completion_tokens: int, finish: str | None = None, stop_reason: Any = None) -> bytes:
+    def content(self, text: str, completion_tokens: int, finish: str | None = None, stop_reason: Any = None,
+                token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None, index: int = 0) -> bytes:
+        """One content chunk of choice `index`. `token_ids`: the delta's ids (None: the flag is off);
+        `prompt_token_ids`: completions' first chunk of each index under `return_token_ids`."""
         if finish is None:
             fin = 'null,"stop_reason":null' if not self.chat else "null"
         else:
             fin = f'"{finish}","stop_reason":{dumps(stop_reason)}'
-        s = self.head + self._open + dumps(text) + self._mid + fin + self._tail_open
+        if token_ids is None and prompt_token_ids is None:
+            tail = self._tail_open
+        elif self.chat:
+            tail = f',"token_ids":{_ids(token_ids)}}}]'
+        else:
+            tail = f',"prompt_token_ids":{_ids(prompt_token_ids)},"token_ids":{_ids(token_ids)}}}]'
+        opening = self._open if index == 0 else self._open.replace('"index":0', f'"index":{index}', 1)
+        s = self.head + opening + dumps(text) + self._mid + fin + tail
         if self.continuous:
             s += self._usage(completion_tokens)
         if finish is not None and not self.include_usage:
@@ -118,3 +169,7 @@ class ChunkWriter:
             details = f',"prompt_tokens_details":{{"cached_tokens":{self.cached_tokens}}}'
         return (self.head + f'[],"usage":{{"prompt_tokens":{p},"total_tokens":{p + completion_tokens},'
                 f'"completion_tokens":{completion_tokens}{details}}},"system_fingerprint":{dumps(self.fingerprint)}}}\n\n').encode()
+
+
+def _ids(ids: list[int] | None) -> str:
+    return "null" if ids is None else "[" + ",".join(map(str, ids)) + "]"

@@ -18,7 +18,18 @@ One `schedule()` call plans one engine step under a token budget `max_num_batche
    (`max_tokens`, `max_model_len`, `stop_token_ids`) and frees finished requests' blocks.
 
 Prefix-cache counters (`queries`/`hits`, in tokens) count each request once, on its first admission,
-like vLLM's Prometheus counters (re-admissions after preemption are not counted). Pure, synchronous.
+like vLLM's Prometheus counters (re-admissions after preemption are not counted).
+
+P/D disaggregation (workers/sim/disagg.py), the vLLM v1 connector way:
+- A prefill request with `hold_blocks` keeps its blocks when it finishes (`held`, like a connector's
+  delayed free) until `release_held()`.
+- A decode request with `remote` KV is admitted like any other (whole sequence must fit, local prefix
+  hit looked up), but its blocks are allocated *uncached* and it stays in the waiting queue, not
+  scheduled and using no token budget (vLLM's WAITING_FOR_REMOTE_KVS; `plan.remote_loads` tells the
+  engine to start the pull). `finish_remote_load()` then caches the blocks (BlockStored) and leaves
+  the last prompt token to compute (`num_computed_tokens = prompt - 1`, as vLLM does to get logits),
+  which is planned as a decode step; a failed load either recomputes locally from the prefix hit or
+  ends the request with finish_reason "error" (`kv_load_failure_policy`). Pure, synchronous.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.sim.hashing import BlockHasher
 from workers.sim.kv_manager import KvBlockManager
@@ -63,6 +75,11 @@ class SimRequest:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    hold_blocks: bool = False  # prefill for a remote decode: keep the blocks at finish
+    remote: Any = None  # decode: where the prompt KV comes from (disagg.RemoteSource)
+    kv_load: str | None = None  # None | "loading" (pull in flight) | "ready" (blocks allocated, schedulable)
+    kv_loaded: bool = False  # the prompt KV arrived: only the last prompt token is left (a decode step)
+    num_external_tokens: int = 0  # prompt tokens that came from the remote prefill
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +100,7 @@ class StepPlan:
     newly_admitted: list[SimRequest] = field(default_factory=list)  # first admission (not resumes)
     starts_prefill: bool = False  # some request is scheduled from the waiting queue (incl. resumes)
     preempted: list[SimRequest] = field(default_factory=list)
+    remote_loads: list[tuple[SimRequest, int]] = field(default_factory=list)  # (decode admitted, local hit tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +139,9 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_preemptions = 0
+        self.held: dict[str, SimRequest] = {}  # finished prefills whose blocks a remote decode will read
+        self.num_loading = 0  # waiting requests whose prompt KV is being pulled
+        self.external_tokens = 0  # prompt tokens that arrived from remote prefills (vLLM: external_kv_transfer)
 
     # ---- intake --------------------------------------------------------------------------------
     def add_request(self, req: SimRequest) -> None:
@@ -141,14 +162,50 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
+            if req.kv_load == "loading":
+                self.num_loading -= 1
         self.kv.free(request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = req.finish_reason or reason
         return req
 
+    def release_held(self, request_id: str) -> bool:
+        """Free a finished prefill's held blocks (read by the decode, expired, or abandoned)."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(request_id)
+        return True
+
+    def finish_remote_load(self, request_id: str, ok: bool, recompute: bool = False) -> SimRequest | None:
+        """A decode's pull ended. ok: cache the arrived blocks, leave the last prompt token to compute.
+        Failed: recompute locally (`recompute`) or end the request (returned, finish_reason "error")."""
+        req = self.requests.get(request_id)
+        if req is None or req.kv_load != "loading":
+            return None
+        self.num_loading -= 1
+        if ok:
+            n = req.num_tokens
+            self.kv.cache_blocks(request_id, req.all_token_ids, req.block_hashes, n)
+            req.num_external_tokens = n - req.num_computed_tokens
+            self.external_tokens += req.num_external_tokens
+            req.num_computed_tokens = n - 1
+            req.kv_loaded = True
+            req.kv_load = "ready"
+            return None
+        if recompute:  # num_computed_tokens stays at the local prefix hit; the rest is prefilled here
+            req.kv_load = "ready"
+            return None
+        self.waiting.remove(req)
+        self.requests.pop(request_id, None)
+        self.kv.free(request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = "error"
+        return req
+
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running) or len(self.waiting) > self.num_loading
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -180,21 +237,54 @@ class Scheduler:
             i += 1
 
         if not plan.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+            waiting = self.waiting
+            i = 0  # requests before i are waiting for their remote KV (skipped, as vLLM skips them)
+            while i < len(waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = waiting[i]
+                if req.kv_load is not None:
+                    if req.kv_load == "loading":
+                        i += 1
+                        continue
+                    computed = req.num_computed_tokens  # "ready": blocks allocated at admission
+                    n = min(req.num_tokens - computed, budget)
+                    if not kv.allocate_slots(req.request_id, req.all_token_ids, req.block_hashes, computed, n, (), self.max_model_len):
+                        break
+                    del waiting[i]
+                    req.kv_load = None
+                    req.status = RequestStatus.RUNNING
+                    plan.starts_prefill = plan.starts_prefill or not req.kv_loaded
+                    self.running.append(req)
+                    self._plan(plan, req, n)
+                    budget -= n
+                    continue
                 hit_blocks: list[int] = []
                 if req.num_computed_tokens == 0:
                     hit_blocks, hit_tokens = kv.get_computed_blocks(req.block_hashes, req.num_tokens)
                 else:  # pragma: no cover - waiting requests always restart from zero here
                     hit_tokens = 0
-                n = min(req.num_tokens - hit_tokens, budget)
                 if not kv.can_fit(req.request_id, min(req.num_tokens, self.max_model_len), hit_blocks):
                     break  # the whole sequence must fit before admission (scheduler_reserve_full_isl)
+                if req.remote is not None and req.status is RequestStatus.WAITING:
+                    # a remote decode: allocate the whole prompt now, uncached until its KV arrives
+                    if not kv.allocate_slots(req.request_id, req.all_token_ids, req.block_hashes, hit_tokens,
+                                             req.num_tokens - hit_tokens, hit_blocks, self.max_model_len, cache=False):
+                        break
+                    self.prefix_queries += req.num_tokens
+                    self.prefix_hits += hit_tokens
+                    req.num_cached_tokens = hit_tokens
+                    req.num_computed_tokens = hit_tokens
+                    req.kv_load = "loading"
+                    self.num_loading += 1
+                    plan.newly_admitted.append(req)
+                    plan.remote_loads.append((req, hit_tokens))
+                    i += 1
+                    continue
+                n = min(req.num_tokens - hit_tokens, budget)
                 if not kv.allocate_slots(
                     req.request_id, req.all_token_ids, req.block_hashes, hit_tokens, n, hit_blocks, self.max_model_len
                 ):
                     break
-                self.waiting.popleft()
+                del waiting[i]
                 if req.status is RequestStatus.WAITING:
                     self.prefix_queries += req.num_tokens
                     self.prefix_hits += hit_tokens
@@ -210,7 +300,7 @@ class Scheduler:
 
     def _plan(self, plan: StepPlan, req: SimRequest, n: int) -> None:
         p = req.num_computed_tokens
-        if n == 1 and req.output_token_ids and p + 1 == len(req.all_token_ids):
+        if n == 1 and p + 1 == len(req.all_token_ids) and (req.output_token_ids or req.kv_loaded):
             plan.decode_contexts.append(p + 1)
         else:
             plan.prefill_chunks.append((p, n))
@@ -221,6 +311,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.kv_loaded = False
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -254,5 +345,8 @@ class Scheduler:
     def _finish(self, req: SimRequest) -> None:
         self.running.remove(req)
         self.requests.pop(req.request_id, None)
-        self.kv.free(req.request_id)
+        if req.hold_blocks:
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req.request_id)
         req.status = RequestStatus.FINISHED

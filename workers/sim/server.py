@@ -4,6 +4,10 @@ Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET 
 /ping, /metrics, /load, /version, /kv_event_sources. Generation handlers are in `workers.sim.generate`.
 `build_app(cfg)` wires tokenizer -> engine (scheduler, KV manager, timing, metrics, publisher); the
 engine loop and the ZMQ sockets start in the app's lifespan.
+
+`--flavor sglang|trtllm` swaps in that engine's observability (workers/sim/flavors.py: sglang:* metrics
+and SGLang-format KV events; TRT-LLM's JSON /metrics, /prometheus/metrics, POST /kv_cache_events) and
+P/D hand-off (workers/sim/disagg.py, with vLLM's NixlConnector one under the default flavor).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from workers.sim.config import SimConfig
+from workers.sim.disagg import DisaggRuntime, KvTransferModel, default_kv_bytes_per_token
 from workers.sim.engine import SimEngine
+from workers.sim.flavors import SglangMetrics, TrtllmEventBuffer, TrtllmIterationStats, TrtllmPrometheus, split_per_page
 from workers.sim.hashing import BlockHasher
 from workers.sim.kv_manager import KvBlockManager
 from workers.sim.metrics import CONTENT_TYPE, SimMetrics
@@ -49,6 +55,10 @@ class SimState:
     created: int = field(default_factory=lambda: int(time.time()))
     server_load: int = 0
     publisher: object | None = None
+    disagg: DisaggRuntime | None = None
+    sglang_metrics: SglangMetrics | None = None
+    trtllm_events: TrtllmEventBuffer | None = None
+    trtllm_prometheus: TrtllmPrometheus | None = None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.cfg.served_model_names:
@@ -64,7 +74,8 @@ def build_state(cfg: SimConfig, tokenizer: SimTokenizer | None = None) -> SimSta
             f"KV cache of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one max_model_len="
             f"{cfg.max_model_len} sequence; raise --num-gpu-blocks or lower --max-model-len"
         )
-    kv = KvBlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching, enable_events=cfg.kv_events.active)
+    kv = KvBlockManager(num_blocks, cfg.block_size, enable_caching=cfg.enable_prefix_caching,
+                        enable_events=cfg.kv_events.active or cfg.flavor == "trtllm")
     sched = Scheduler(
         kv,
         max_num_seqs=cfg.max_num_seqs,
@@ -84,15 +95,40 @@ def build_state(cfg: SimConfig, tokenizer: SimTokenizer | None = None) -> SimSta
     metrics = SimMetrics(cfg.model_name, cfg.max_model_len, engine.gauges, cache_info)
     engine.metrics = metrics
     digest = hashlib.sha256(repr((cfg.profile, cfg.block_size, cfg.max_model_len, num_blocks, cfg.speedup)).encode()).hexdigest()
-    return SimState(cfg, tok, TextSource(tok, cfg.seed), engine, metrics, f"vllm-{VLLM_VERSION}-{digest[:8]}")
+    st = SimState(cfg, tok, TextSource(tok, cfg.seed), engine, metrics, f"vllm-{VLLM_VERSION}-{digest[:8]}")
+    if cfg.flavor == "sglang":
+        engine_type = {"prefill": "prefill", "decode": "decode"}.get(cfg.disaggregation_mode, "unified")
+        st.sglang_metrics = SglangMetrics(metrics, engine.gauges, engine_type, (num_blocks - 1) * cfg.block_size)
+    elif cfg.flavor == "trtllm":
+        st.trtllm_events = TrtllmEventBuffer()
+        engine.publisher = st.trtllm_events  # type: ignore[assignment]
+        engine.iteration_stats = TrtllmIterationStats(engine.gauges, num_blocks, cfg.block_size, cfg.max_num_seqs)
+        st.trtllm_prometheus = TrtllmPrometheus(metrics, engine.gauges)
+    if cfg.disagg_enabled:
+        st.disagg = build_disagg(cfg, engine, profile.tp)
+    return st
+
+
+def build_disagg(cfg: SimConfig, engine: SimEngine, tp_size: int = 1) -> DisaggRuntime:
+    """The P/D runtime for this sim's flavor, hooked into the engine (see workers/sim/disagg.py)."""
+    transfer = KvTransferModel(cfg.kv_transfer_bandwidth_gbps, cfg.kv_bytes_per_token or default_kv_bytes_per_token(cfg.profile),
+                               cfg.kv_transfer_latency_ms, cfg.speedup)
+    lease = cfg.kv_transfer.lease_s if cfg.flavor == "vllm" and cfg.kv_transfer is not None else cfg.kv_transfer_timeout
+    rt = DisaggRuntime(
+        cfg.flavor, transfer=transfer, side_host=cfg.side_channel_host, side_port=cfg.side_channel_port, lease_s=lease,
+        timeout_s=cfg.kv_transfer_timeout, kv_transfer=cfg.kv_transfer, sglang_mode=cfg.disaggregation_mode, tp_size=tp_size,
+        serve=cfg.flavor != "sglang" or cfg.disaggregation_mode == "prefill", release=engine.release_held,
+    )
+    engine.loader, engine.on_held, engine.on_ended = rt.load, rt.on_held, rt.on_ended
+    return rt
 
 
 def _state(request: Request) -> SimState:
     return request.app.state.sim
 
 
-def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.code)
+def error_response(err: ApiError, flavor: str = "vllm") -> JSONResponse:
+    return JSONResponse(err.body(flavor), status_code=err.code)
 
 
 async def health(_request: Request) -> Response:
@@ -108,7 +144,27 @@ async def load(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    st = _state(request)
+    if st.sglang_metrics is not None:
+        return Response(st.sglang_metrics.render(), media_type=CONTENT_TYPE)
+    if st.engine.iteration_stats is not None:  # TRT-LLM: JSON iteration stats, drained
+        return JSONResponse(st.engine.iteration_stats.drain())
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def prometheus_metrics(request: Request) -> Response:
+    st = _state(request)
+    assert st.trtllm_prometheus is not None
+    return Response(st.trtllm_prometheus.render(), media_type=CONTENT_TYPE)
+
+
+async def kv_cache_events(request: Request) -> Response:
+    """TRT-LLM's `POST /kv_cache_events`: the buffered events, drained."""
+    from workers.trtllm.kv_events import encode_events
+
+    st = _state(request)
+    assert st.trtllm_events is not None
+    return Response(encode_events(st.trtllm_events.drain()), media_type="application/json")
 
 
 async def models(request: Request) -> Response:
@@ -153,7 +209,7 @@ async def tokenize(request: Request) -> Response:
         else:
             raise bad_request("Either prompt or messages must be provided.", "prompt")
     except ApiError as err:
-        return error_response(err)
+        return error_response(err, st.cfg.flavor)
     strs = [st.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
     return JSONResponse({"count": len(ids), "max_model_len": st.cfg.max_model_len, "tokens": ids, "token_strs": strs})
 
@@ -164,7 +220,7 @@ async def detokenize(request: Request) -> Response:
         body = parse_body(await request.body(), _DetokenizeBody)
         st.check_model(body.model)
     except ApiError as err:
-        return error_response(err)
+        return error_response(err, st.cfg.flavor)
     return JSONResponse({"prompt": st.tokenizer.decode(body.tokens)})
 
 
@@ -191,13 +247,21 @@ def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if cfg.kv_events.active:
+        if cfg.kv_events.active and cfg.flavor != "trtllm":  # TRT-LLM has no ZMQ publisher (POST /kv_cache_events)
             from workers.sim.publisher import KvEventPublisher
 
-            pub = KvEventPublisher(cfg.kv_events)
+            if cfg.flavor == "sglang":
+                from workers.sglang.kv_events import encode_batch as sglang_encode
+
+                pub = KvEventPublisher(cfg.kv_events, encode=lambda ts, ev, dp: sglang_encode(ts, ev, dp_rank=dp),
+                                       transform=split_per_page)
+            else:
+                pub = KvEventPublisher(cfg.kv_events)
             pub.start()
             st.engine.publisher = pub
             st.publisher = pub
+        if st.disagg is not None:
+            st.disagg.start()
         task = asyncio.get_running_loop().create_task(st.engine.run())
         try:
             yield
@@ -205,6 +269,8 @@ def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if st.disagg is not None:
+                await st.disagg.close()
             if st.publisher is not None:
                 await st.publisher.close()  # type: ignore[attr-defined]
 
@@ -221,6 +287,9 @@ def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
+    if cfg.flavor == "trtllm":
+        routes.append(Route("/kv_cache_events", kv_cache_events, methods=["POST"]))
+        routes.append(Route("/prometheus/metrics", prometheus_metrics, methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.sim = st
     return _FastPaths(app, {"/v1/completions": completions, "/v1/chat/completions": chat_completions})  # type: ignore[return-value]

@@ -30,6 +30,7 @@ __all__ = ["TOKENIZER_DIR", "TEXT_LENGTH", "SimTokenizer", "TextSource"]
 
 TOKENIZER_DIR = Path(__file__).resolve().parent / "tokenizer"
 TEXT_LENGTH = 4096
+SAMPLE_STRIDE = 1031  # offset between the n samples of one request (prime: no short cycles mod TEXT_LENGTH)
 _WORD = re.compile(r"^\u0120[a-z]{2,10}$")  # byte-level BPE: U+0120 'Ġ' is the leading space
 
 
@@ -89,8 +90,11 @@ class TextSource:
             raw = array("I", (int(t) & 0xFFFFFFFF for t in prompt_token_ids)).tobytes()
         return (zlib.crc32(raw) + self.seed) % self.length
 
-    def source(self, prompt_token_ids: Sequence[int]) -> Callable[[int], int]:
-        seq, n, off = self.sequence, self.length, self.offset(prompt_token_ids)
+    def source(self, prompt_token_ids: Sequence[int], sample: int = 0) -> Callable[[int], int]:
+        """Output token k of the request; `sample` i > 0 (the i-th of `n` sampled sequences) starts
+        elsewhere in the sequence, so the n choices differ like independent samples."""
+        seq, n = self.sequence, self.length
+        off = (self.offset(prompt_token_ids) + sample * SAMPLE_STRIDE) % n
         return lambda k: seq[(off + k) % n]
 
     def text(self, token_ids: Sequence[int]) -> str:

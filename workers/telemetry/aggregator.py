@@ -4,9 +4,12 @@ Per admitted request (`record_arrival`): one arrival. Per finished request (`rec
 its token gaps (osl − 1 observations of (duration − ttft)/(osl − 1)), ISL and OSL. Per flush
 (`record_workers`): the pool's summed waiting/running requests, mean KV usage and worker count as
 one gauge sample, and each worker's prefix-cache counter deltas (hit/queried tokens) since its
-previous sample (a counter that went down — engine restart — counts from zero).
+previous sample (a counter that went down — engine restart — counts from zero). The first sample
+of a worker is diffed against its `baseline` (scraped when it joined, before it was routable); with
+none, a worker that started after the aggregator counts from zero and an older one from that sample.
 `drain()` hands back everything since the last drain as a `TelemetryBatch` and starts afresh;
-`restore(batch)` puts an unsent batch back (bounded by `max_pending_buckets`, oldest dropped).
+`restore(batch)` puts an unsent batch back (bounded by `max_pending_buckets`, oldest dropped and
+counted in `dropped_buckets`).
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ class TelemetryAggregator:
         self.schema = schema or TelemetrySchema()
         self.clock = clock
         self.max_pending_buckets = max_pending_buckets
+        self.dropped_buckets = 0  # buckets thrown away over the bound while the store was unreachable
         self._buckets: dict[tuple[PoolKey, float], PoolBucket] = {}
         self._workers: dict[str, WorkerSample] = {}
         self._last_counters: dict[str, tuple[float, float]] = {}
+        self._since = self.clock()  # workers that started after this had zero counters when we began watching
 
     def _bucket(self, pool: PoolKey, now: float | None) -> PoolBucket:
         start = self.schema.bucket_start(self.clock() if now is None else now)
@@ -56,6 +61,11 @@ class TelemetryAggregator:
             if osl > 1 and duration_s > ttft_s:
                 b.itl.observe((duration_s - ttft_s) * 1000.0 / (osl - 1), weight=osl - 1)
 
+    def baseline(self, worker_id: str, m: EngineMetrics) -> None:
+        """Called when a worker joins, scraped before any request is routed to it: its prefix-cache counters
+        now are where its deltas start (so traffic before the first flush counts, however soon it comes)."""
+        self._last_counters.setdefault(worker_id, (m.prefix_cache_hits, m.prefix_cache_queries))
+
     def record_workers(self, workers: Iterable[tuple[WorkerInfo, EngineMetrics | None]], now: float | None = None) -> None:
         """Called at each flush with the frontend's live view; one gauge sample per pool."""
         now = self.clock() if now is None else now
@@ -68,6 +78,10 @@ class TelemetryAggregator:
             pools.setdefault(pool, []).append(m)
             self._workers[info.worker_id] = WorkerSample(info.worker_id, info.model, info.role.value, m, now)
             prev = self._last_counters.get(info.worker_id)
+            if prev is None and info.started_at >= self._since:
+                # first sight of a worker that started while we watched: its counters are all new traffic (a first
+                # scrape that lands after a burst would otherwise drop that burst's hits from the hit rate)
+                prev = (0.0, 0.0)
             self._last_counters[info.worker_id] = (m.prefix_cache_hits, m.prefix_cache_queries)
             if prev is not None:
                 dh, dq = m.prefix_cache_hits - prev[0], m.prefix_cache_queries - prev[1]
@@ -100,8 +114,10 @@ class TelemetryAggregator:
         for w in batch.workers:
             self._workers.setdefault(w.worker_id, w)
         if len(self._buckets) > self.max_pending_buckets:
-            for key in sorted(self._buckets, key=lambda k: k[1])[: len(self._buckets) - self.max_pending_buckets]:
+            excess = len(self._buckets) - self.max_pending_buckets
+            for key in sorted(self._buckets, key=lambda k: k[1])[:excess]:
                 del self._buckets[key]
+            self.dropped_buckets += excess
 
     @property
     def pending(self) -> int:

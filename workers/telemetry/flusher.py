@@ -3,7 +3,9 @@
 Every `interval_s` (default 1 s): take the live worker view (optional `snapshot` callable) as one
 gauge sample, drain the aggregator and write the batch in one pipelined call. If the store is
 unreachable the batch is merged back into the aggregator (bounded) and retried next round, so a
-Redis outage loses nothing short of `max_pending_buckets` and never blocks the request path.
+Redis outage loses nothing short of `max_pending_buckets` (beyond it the oldest buckets are dropped
+and counted in `aggregator.dropped_buckets`) and never blocks the request path: the request path only
+records into the in-process aggregator. On reconnect the whole backlog goes out in the next round.
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ class TelemetryFlusher:
         except TelemetryUnavailableError as exc:
             self.aggregator.restore(batch)
             if self.store_ok:
-                log.warning("telemetry store unreachable, keeping %d buckets in memory: %s", self.aggregator.pending, exc)
+                log.warning("telemetry store unreachable, keeping up to %d buckets in memory: %s",
+                            self.aggregator.max_pending_buckets, exc)
             self.store_ok = False
             return False
         if not self.store_ok:
-            log.info("telemetry store reachable again")
+            log.info("telemetry store reachable again: flushed %d buckets kept during the outage (%d dropped over the bound)",
+                     len(batch.buckets), self.aggregator.dropped_buckets)
         self.store_ok = True
         return True
 

@@ -23,7 +23,7 @@ _INT_FIELDS = {"a", "n", "err", "gn"}
 
 
 def _s(raw: object) -> str:
-    return raw.decode() if isinstance(raw, bytes) else str(raw)
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)  # junk: a malformed id, skipped
 
 
 class RedisTelemetryStore:
@@ -39,7 +39,7 @@ class RedisTelemetryStore:
 
         try:
             return await coro
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        except (redis.exceptions.RedisError, OSError) as exc:  # down, timed out, loading, read-only replica, OOM...
             raise TelemetryUnavailableError(f"redis unavailable: {exc}") from exc
 
     async def write(self, batch: TelemetryBatch) -> None:

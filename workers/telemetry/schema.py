@@ -134,7 +134,7 @@ def bucket_from_fields(start: float, raw: dict) -> PoolBucket:
     """Rebuild a bucket from a Redis hash; raises TelemetryParseError on any malformed field."""
     b = PoolBucket(start=start)
     for key, value in raw.items():
-        k = key.decode() if isinstance(key, bytes) else str(key)
+        k = key.decode(errors="replace") if isinstance(key, bytes) else str(key)  # junk bytes: an unknown field
         try:
             v = _num(value)
             if k in _SCALARS:
@@ -238,7 +238,8 @@ class WorkerSample:
 
     @classmethod
     def from_fields(cls, worker_id: str, raw: dict) -> WorkerSample:
-        d = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in raw.items()}
+        d = {(k.decode(errors="replace") if isinstance(k, bytes) else k): (v.decode(errors="replace") if isinstance(v, bytes) else v)
+             for k, v in raw.items()}  # junk bytes become U+FFFD: an ignored field or a bad number, never UnicodeDecodeError
         try:
             names = {f.name for f in fields(EngineMetrics)}
             metrics = EngineMetrics(**{k[2:]: _num(v) for k, v in d.items() if k.startswith("m:") and k[2:] in names})

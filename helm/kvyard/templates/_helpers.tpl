@@ -60,6 +60,20 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-auth" (include "kvyard.fullname" .)) .Values.auth.existingSecret }}
 {{- end }}
 
+{{/* "true" when the frontend must require API keys (a key file is mounted), else "". */}}
+{{- define "kvyard.apiKeysRequired" -}}
+{{- if or .Values.auth.apiKeysRequired .Values.auth.apiKeys }}true{{ end }}
+{{- end }}
+
+{{/* A probe, switched to HTTPS when the frontend serves TLS (kubelet does not verify the certificate). */}}
+{{- define "kvyard.frontendProbe" -}}
+{{- $probe := deepCopy .probe }}
+{{- if and .root.Values.tls.enabled $probe.httpGet }}
+{{- $_ := set $probe.httpGet "scheme" "HTTPS" }}
+{{- end }}
+{{- toYaml $probe }}
+{{- end }}
+
 {{- define "kvyard.redisHost" -}}
 {{- printf "%s-redis" (include "kvyard.fullname" .) }}
 {{- end }}
@@ -192,6 +206,9 @@ rules the schema cannot express, failing with a "kvyard:" message.
 {{- end }}
 {{- if and .Values.auth.existingSecret (or .Values.auth.apiKeys .Values.auth.adminToken) }}
 {{- fail "kvyard: auth.existingSecret is set, so auth.apiKeys and auth.adminToken must be empty (put them in that Secret)" }}
+{{- end }}
+{{- if and .Values.tls.enabled (not .Values.tls.existingSecret) }}
+{{- fail "kvyard: tls.enabled needs tls.existingSecret (a kubernetes.io/tls Secret with tls.crt and tls.key)" }}
 {{- end }}
 {{- if eq (int .Values.frontend.httpPort) (int .Values.frontend.grpc.port) }}
 {{- fail "kvyard: frontend.httpPort and frontend.grpc.port must differ" }}

@@ -1,4 +1,5 @@
-"""GET /api/pools (orchestrator/dashboard.py) in process: per-pool summary and series from telemetry, targets, decisions, no token."""
+"""GET /api/pools (orchestrator/dashboard.py) in process: per-pool summary and series from telemetry, targets, decisions;
+an admin read (the token is needed, and never echoed)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ async def test_pools_endpoint_reads_telemetry_targets_and_decisions():
     await store.append_decision({"tick": 1, "at": time.time(), "targets_version": 1, "reason": "r", "pools": []})
     await app.state.targets.put(parse_targets({"pools": [{"model": "m", "ttft_p90_ms": 250}, {"model": "idle"}], "gpu_budget": 4}))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard") as c:
+        for headers in ({}, {"authorization": "Bearer wrong"}):
+            r = await c.get("/api/pools?window=600", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"
+        c.headers["authorization"] = "Bearer secret-token"
         r = await c.get("/api/pools?window=600")
         assert r.status_code == 200
         body = r.json()

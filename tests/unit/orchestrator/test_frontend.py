@@ -224,5 +224,5 @@ async def test_requests_reach_telemetry_and_admin_api_needs_token(frontend):
         rows = [b for pool_rows in buckets.values() for b in pool_rows]
     assert sum(b.requests for b in rows) == 2 and sum(b.arrivals for b in rows) == 2
     assert sum(b.osl_sum for b in rows) == 8  # 4 streamed + 4 unary tokens, from the engines' usage
-    r = await client.get("/admin/targets")  # no admin token configured: refused, OpenAI-style
-    assert_openai_error(r, 401)
+    r = await client.put("/admin/targets", json={"pools": []})  # no admin token configured: writes refused, OpenAI-style
+    assert assert_openai_error(r, 403)["code"] == "admin_disabled"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from planner.config import PlannerConfig
@@ -175,3 +177,42 @@ def test_scale_down_stabilization_window():
     assert d.pools[0].desired == 6 and "scale-down limited to 6" in d.pools[0].reason
     d = c.on_tick(301.0, observe(targets(PT), pobs(replicas=6, rate=1, isl=9000)))
     assert d.pools[0].desired == 1  # the 6 wanted at t=0 has left the window
+
+
+@pytest.mark.parametrize("net,expected", [(True, 1.0), (False, 1 + 1.28 * 0.2)])
+def test_headroom_is_net_of_the_windows_sampling_noise(net, expected):
+    """A 20% swing between two windows of 30 requests each (CV² 3) is within their sampling noise,
+    (1 + 3)/30 = 0.13 > 0.2² — no headroom; sized on the gross error it would be ×1.256."""
+    c = core(demand_z=1.28, max_headroom=1.5, net_of_sampling_noise=net)
+    c.on_tick(0.0, observe(targets(PT), pobs(rate=0.5, isl=9000, cv2=3.0)))
+    d = c.on_tick(60.0, observe(targets(PT), pobs(rate=0.4, isl=9000, cv2=3.0)))
+    assert d.pools[0].demand.request_rate == pytest.approx(0.4 * expected)
+
+
+def test_peak_trend_sizes_a_step_at_once_and_only_the_rate_takes_the_peak():
+    kalman, peak = core(predictor="kalman"), core(predictor="peak_trend", peak_window=2)
+    for t in range(10):
+        for c in (kalman, peak):
+            c.on_tick(60.0 * t, observe(targets(PT), pobs(rate=200, isl=9000, hit=0.0)))
+    k = kalman.on_tick(600.0, observe(targets(PT), pobs(rate=320, isl=9000, hit=0.5))).pools[0]
+    p = peak.on_tick(600.0, observe(targets(PT), pobs(rate=320, isl=9000, hit=0.5))).pools[0]
+    assert k.demand.request_rate < 300  # the Kalman filter lags a ×1.6 step...
+    assert p.demand.request_rate == pytest.approx(320)  # ...the recent peak does not
+    assert p.demand.kv_hit_rate == pytest.approx(k.demand.kv_hit_rate)  # the hit rate: the trend part, not the max
+    assert p.demand.kv_hit_rate < 0.5
+    assert p.sla_replicas > k.sla_replicas
+
+
+@pytest.mark.parametrize("pool,flag,ttft_p90,extra", [
+    (P, False, 300.0, 0),   # prefill queue under TTFT target: planned-for queueing, no correction
+    (P, True, 300.0, 1),    # ... unless hybrid_prefill_queue (the old rule)
+    (P, False, 900.0, 1),   # TTFT p90 over the 500 ms target: +1
+    (D, False, 300.0, 1),   # decode: waiting requests mean KV admission waits, still +1
+])
+def test_hybrid_prefill_queue_is_not_a_scale_up_signal(pool, flag, ttft_p90, extra):
+    pt = PT if pool == P else DT
+    c = core(mode="hybrid", hybrid_prefill_queue=flag)
+    po = PoolObservation(pool, 6, stats(pool, rate=50, isl=9000 if pool == P else 950, ttft_p90=ttft_p90, itl_p90=10.0), data_age_s=1.0,
+                         worker_queue=[3.0, 0.0], worker_kv=[0.3, 0.3])
+    d = c.on_tick(0.0, observe(targets(pt), po)).pools[0]
+    assert d.desired - d.sla_replicas == extra

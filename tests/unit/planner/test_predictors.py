@@ -65,3 +65,27 @@ def test_kalman_waits_for_five_points():
 def test_unknown_predictor():
     with pytest.raises(PlannerConfigError):
         make_predictor("arima")
+
+
+def test_peak_trend_is_the_max_of_the_trend_and_the_recent_peak():
+    from planner.predictors import PeakTrendPredictor
+
+    p = make_predictor("peak_trend", 2)
+    assert isinstance(p, PeakTrendPredictor) and p.predict() is None
+    for v in STEP[:20]:  # 10 ... then a step to 30 five points ago: the peak follows at once
+        p.observe(v)
+    k = make_predictor("kalman")
+    for v in STEP[:16]:
+        k.observe(v)
+    assert k.predict(1) < 25  # the Kalman filter alone is still far below the step
+    q = make_predictor("peak_trend", 2)
+    for v in STEP[:16]:
+        q.observe(v)
+    assert q.predict(1) == pytest.approx(30)
+    for v in LINEAR:  # on a ramp the trend leads the peak
+        p.observe(v)
+    assert p.predict(3) > max(LINEAR)
+    spikes = make_predictor("peak_trend", 2)
+    for v in [10, 10, 10, 10, 10, 50, 10, 10]:  # a single spike leaves the peak after `window` ticks
+        spikes.observe(v)
+    assert spikes.predict(1) < 20

@@ -77,3 +77,40 @@ async def test_tokenizer_files_round_trip(discovery):
     assert await discovery.fetch_files("m") == files
     await discovery.publish_files("m", {"tokenizer.json": b"new"})
     assert await discovery.fetch_files("m") == {"tokenizer.json": b"new"}
+
+
+async def _wipe(d: RedisDiscovery) -> None:
+    """What a Redis restarted without persistence (or flushed) looks like to this prefix."""
+    keys = [k async for k in d._redis.scan_iter(match=f"{d._prefix}:*")]
+    if keys:
+        await d._redis.delete(*keys)
+
+
+async def test_registry_reset_keeps_last_view_for_the_grace(redis_url):
+    d = RedisDiscovery(redis_url, prefix=f"kvyard-test-{uuid.uuid4().hex[:8]}", reset_grace_s=0.5)
+    try:
+        await d.register(info("a"), ttl_s=30)
+        await d.register(info("b"), ttl_s=30)
+        assert [w.worker_id for w in await d.list_workers()] == ["a", "b"]
+        await _wipe(d)
+        # nothing re-registered yet: the last view is served, not an empty fleet
+        assert [w.worker_id for w in await d.list_workers()] == ["a", "b"] and d.resets == 1
+        assert await d.renew("a", 30) is False  # the worker notices its lease is gone...
+        await d.register(info("a").model_copy(update={"url": "http://127.0.0.1:10"}), ttl_s=30)  # ...and re-registers
+        got = {w.worker_id: w for w in await d.list_workers()}
+        assert sorted(got) == ["a", "b"] and got["a"].url == "http://127.0.0.1:10"  # the fresh entry wins
+        await asyncio.sleep(0.6)
+        assert [w.worker_id for w in await d.list_workers()] == ["a"]  # b never came back: gone after the grace
+        assert d.resets == 1
+    finally:
+        await d.close()
+
+
+async def test_first_listing_on_an_empty_registry_is_not_a_reset(redis_url):
+    d = RedisDiscovery(redis_url, prefix=f"kvyard-test-{uuid.uuid4().hex[:8]}")
+    try:
+        assert await d.list_workers() == []
+        await d.register(info("a"), ttl_s=30)
+        assert [w.worker_id for w in await d.list_workers()] == ["a"] and d.resets == 0
+    finally:
+        await d.close()

@@ -34,7 +34,7 @@ async def test_auth_required(headers):
 async def test_disabled_without_token():
     async with client(token=None) as c:
         r = await c.get("/admin/targets", headers=AUTH)
-        assert r.status_code == 401 and r.json()["error"]["code"] == "admin_disabled"
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
 
 
 async def test_put_get_history_and_versions():

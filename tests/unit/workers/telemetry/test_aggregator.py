@@ -8,8 +8,9 @@ from workers.telemetry import PoolKey, TelemetryAggregator, TelemetrySchema, mer
 from workers.types import EngineMetrics, WorkerInfo, WorkerRole
 
 
-def winfo(wid: str, model: str = "m", role: WorkerRole = WorkerRole.BOTH) -> WorkerInfo:
-    return WorkerInfo(worker_id=wid, model=model, backend="sim", url="http://127.0.0.1:9", role=role)
+def winfo(wid: str, model: str = "m", role: WorkerRole = WorkerRole.BOTH, started_at: float = 0.0) -> WorkerInfo:
+    """A worker that was already running (started long before the aggregator) unless `started_at` says otherwise."""
+    return WorkerInfo(worker_id=wid, model=model, backend="sim", url="http://127.0.0.1:9", role=role, started_at=started_at)
 
 
 def test_request_goes_to_its_pool_and_bucket():
@@ -45,6 +46,18 @@ def test_worker_samples_give_pool_gauges_and_prefix_hits():
     assert {w.worker_id for w in batch.workers} == {"a", "b"}
 
 
+def test_worker_started_after_us_counts_from_zero():
+    """A worker that started while we watched had zero counters then: a first scrape after a burst keeps its hits."""
+    import time
+
+    agg = TelemetryAggregator()
+    fresh, old = winfo("fresh", started_at=time.time() + 1), winfo("old", started_at=0.0)
+    agg.record_workers([(fresh, EngineMetrics(prefix_cache_queries=200, prefix_cache_hits=150)),
+                        (old, EngineMetrics(prefix_cache_queries=9000, prefix_cache_hits=9000))], now=0.0)
+    (bucket,) = agg.drain().buckets.values()
+    assert (bucket.kv_hit_tokens, bucket.kv_query_tokens) == (150, 200)  # the old worker's history is a baseline
+
+
 def test_counter_reset_counts_from_zero():
     agg = TelemetryAggregator()
     a = winfo("a")
@@ -64,6 +77,7 @@ def test_restore_merges_and_bounds():
     agg.restore(unsent)
     batch = agg.drain()
     assert sorted(k[1] for k in batch.buckets) == [1.0, 2.0, 3.0]  # oldest dropped past the bound
+    assert agg.dropped_buckets == 1
     assert batch.buckets[(PoolKey("m"), 2.0)].requests == 2
 
 

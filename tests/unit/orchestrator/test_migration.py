@@ -1,0 +1,322 @@
+"""Mid-stream migration: a stream that breaks after tokens reached the client is continued on another
+worker, and the client sees one well-formed answer (same id/created/model, one usage, right totals)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from orchestrator.app import create_app
+from orchestrator.config import FrontendConfig
+from orchestrator.resilience.migration import (
+    ChunkRewriter,
+    StreamTracker,
+    continuation_body,
+    migration_blocker,
+    strip_token_ids,
+)
+from orchestrator.tokenizer import load_tokenizer
+from workers.discovery import InMemoryDiscovery
+from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR
+from workers.types import WorkerInfo
+
+from .fault_engine import TOKEN_BASE, WORDS, FaultEngine
+
+TOK = load_tokenizer(str(TOKENIZER_DIR))
+
+
+def winfo(wid: str, url: str, backend: str = "sim") -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, model="m", backend=backend, url=url, block_size=16, max_model_len=4096, tokenizer=str(TOKENIZER_DIR))
+
+
+@pytest.fixture
+async def frontend(request):
+    overrides = getattr(request, "param", {})
+    disc = InMemoryDiscovery()
+    cfg = FrontendConfig(**{"refresh_interval_s": 0.05, "retry_backoff_base_s": 0.0, **overrides})
+    app = create_app(cfg, disc)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kvyard", timeout=30) as client:
+            client.app = app
+            yield client, disc
+
+
+async def add(disc, client, *infos):
+    for i in infos:
+        await disc.register(i, ttl_s=60)
+    await client.app.state.pool.refresh()
+
+
+def sse(text: str) -> list[dict | str]:
+    out = []
+    for ev in text.split("\n\n"):
+        if not ev:
+            continue
+        assert ev.startswith("data: "), ev
+        out.append("[DONE]" if ev == "data: [DONE]" else json.loads(ev[6:]))
+    return out
+
+
+def counter(client, name: str, **labels) -> float:
+    v = client.app.state.metrics.registry.get_sample_value(name, labels)
+    return v or 0.0
+
+
+def two_engines(plan):
+    return FaultEngine("a", plan=plan), FaultEngine("b", plan=plan)
+
+
+# ---- through the frontend ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", [{"break_after": 3}, {"stop_after": 3}])
+async def test_completions_stream_migrated_exactly(frontend, fault):
+    client, disc = frontend
+    plan = [dict(fault)]
+    a, b = two_engines(plan)
+    with a, b:
+        await add(disc, client, winfo("a", a.url), winfo("b", b.url))
+        body = {"model": "m", "prompt": "hello world", "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200
+        events = sse(r.text)
+        first, second = (a, b) if a.requests and a.requests[0]["body"]["prompt"] == "hello world" else (b, a)
+        # the continuation: prompt ids + the 3 generated ids, max_tokens 8 - 3, on the other worker
+        cont = second.requests[-1]
+        assert cont["path"] == "/v1/completions"
+        gen = "".join(WORDS[:3])
+        assert cont["body"]["prompt"] == TOK.encode("hello world") + TOK.encode(gen, add_special_tokens=False)
+        assert cont["body"]["max_tokens"] == 5 and cont["body"]["stream"] is True
+        assert "return_token_ids" not in cont["body"]  # sim backend: re-tokenized
+        # the client: one answer, one id, 8 tokens of text, one usage with the totals, then [DONE]
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if e["choices"]]
+        usages = [e for e in events[:-1] if not e["choices"]]
+        assert {c["id"] for c in chunks + usages} == {chunks[0]["id"]}
+        assert {c["created"] for c in chunks + usages} == {chunks[0]["created"]}
+        assert {c["model"] for c in chunks + usages} == {"m"}
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert len(TOK.encode(text, add_special_tokens=False)) == 8
+        assert text == "".join(WORDS[:3]) + "".join(WORDS[:5])
+        assert [c["choices"][0]["finish_reason"] for c in chunks].count("length") == 1
+        assert len(usages) == 1
+        assert usages[0]["usage"] == {"prompt_tokens": len(TOK.encode("hello world")), "completion_tokens": 8,
+                                      "total_tokens": len(TOK.encode("hello world")) + 8}
+        assert all("error" not in e for e in events[:-1])
+        assert counter(client, "kvyard_migrations_total", model="m", outcome="migrated") == 1
+        assert len(first.requests) == 1
+
+
+async def test_chat_stream_migrated_as_chat_chunks(frontend):
+    client, disc = frontend
+    plan = [{"break_after": 2}]
+    a, b = two_engines(plan)
+    with a, b:
+        await add(disc, client, winfo("a", a.url), winfo("b", b.url))
+        msgs = [{"role": "user", "content": "tell me a story"}]
+        r = await client.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "max_completion_tokens": 6,
+                                                            "temperature": 0.5, "stream": True})
+        events = sse(r.text)
+        cont = next(q for e in (a, b) for q in e.requests if q["path"] == "/v1/completions")
+        assert cont["body"]["prompt"] == TOK.encode_chat(msgs) + TOK.encode(WORDS[0] + WORDS[1], add_special_tokens=False)
+        assert cont["body"]["max_tokens"] == 4 and cont["body"]["temperature"] == 0.5
+        assert "messages" not in cont["body"] and "max_completion_tokens" not in cont["body"]
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert not any("usage" in c for c in chunks)  # not asked for
+        assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+        assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert text == WORDS[0] + WORDS[1] + "".join(WORDS[:4])
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_vllm_token_ids_used_and_hidden(frontend):
+    """On vLLM workers the frontend asks for token ids: the continuation uses the engine's ids (not a
+    re-tokenization), and the client never sees them."""
+    client, disc = frontend
+    plan = [{"break_after": 3}]
+    a, b = two_engines(plan)
+    with a, b:
+        await add(disc, client, winfo("a", a.url, "vllm"), winfo("b", b.url, "vllm"))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 6, "stream": True})
+        events = sse(r.text)
+        first = next(q for e in (a, b) for q in e.requests if q["body"]["prompt"] == [5, 6, 7])
+        assert first["body"]["return_token_ids"] is True
+        cont = next(q for e in (a, b) for q in e.requests if q["body"]["prompt"] != [5, 6, 7])
+        assert cont["body"]["prompt"] == [5, 6, 7, TOKEN_BASE, TOKEN_BASE + 1, TOKEN_BASE + 2]
+        assert cont["body"]["max_tokens"] == 3
+        assert "token_ids\":[" not in r.text
+        chunks = [e for e in events[:-1]]
+        assert all(c["choices"][0]["token_ids"] is None for c in chunks)
+        assert all(c["choices"][0].get("prompt_token_ids") is None for c in chunks)
+        assert len(chunks) == 6
+
+
+async def test_client_asking_token_ids_keeps_them(frontend):
+    client, disc = frontend
+    a, b = two_engines([{"break_after": 2}])
+    with a, b:
+        await add(disc, client, winfo("a", a.url, "vllm"), winfo("b", b.url, "vllm"))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": [5], "max_tokens": 4, "stream": True, "return_token_ids": True})
+        chunks = sse(r.text)[:-1]
+        assert [c["choices"][0]["token_ids"] for c in chunks] == [[TOKEN_BASE], [TOKEN_BASE + 1], [TOKEN_BASE], [TOKEN_BASE + 1]]
+
+
+@pytest.mark.parametrize("extra", [{"n": 2}, {"logprobs": 1}, {"echo": True}])
+async def test_unmigratable_stream_ends_with_clean_error(frontend, extra):
+    client, disc = frontend
+    a, b = two_engines([{"break_after": 2}])
+    with a, b:
+        await add(disc, client, winfo("a", a.url), winfo("b", b.url))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 5, "stream": True, **extra})
+        events = sse(r.text)
+        assert events[-1] == "[DONE]"
+        err = events[-2]["error"]
+        assert set(err) == {"message", "type", "param", "code"} and "cannot be continued" in err["message"]
+        assert len(a.requests) + len(b.requests) == 1
+        assert counter(client, "kvyard_migrations_total", model="m", outcome="refused") == 1
+
+
+@pytest.mark.parametrize("frontend", [{"max_migrations": 1}], indirect=True)
+async def test_migration_limit(frontend):
+    client, disc = frontend
+    plan = [{"break_after": 1}, {"break_after": 1}]
+    a, b, c = FaultEngine("a", plan=plan), FaultEngine("b", plan=plan), FaultEngine("c", plan=plan)
+    with a, b, c:
+        await add(disc, client, winfo("a", a.url), winfo("b", b.url), winfo("c", c.url))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 6, "stream": True})
+        events = sse(r.text)
+        assert events[-1] == "[DONE]" and "max_migrations=1" in events[-2]["error"]["message"]
+        assert len(a.requests) + len(b.requests) + len(c.requests) == 2
+        assert counter(client, "kvyard_migrations_total", model="m", outcome="exhausted") == 1
+
+
+async def test_two_migrations_one_answer(frontend):
+    client, disc = frontend
+    plan = [{"break_after": 2}, {"break_after": 2}]
+    a, b, c = FaultEngine("a", plan=plan), FaultEngine("b", plan=plan), FaultEngine("c", plan=plan)
+    with a, b, c:
+        await add(disc, client, winfo("a", a.url), winfo("b", b.url), winfo("c", c.url))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 7, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+        events = sse(r.text)
+        usage = [e for e in events[:-1] if not e["choices"]]
+        assert usage[0]["usage"]["completion_tokens"] == 7
+        text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        assert len(TOK.encode(text, add_special_tokens=False)) == 7
+        assert counter(client, "kvyard_migrations_total", model="m", outcome="migrated") == 2
+
+
+async def test_break_before_any_token_is_a_plain_retry(frontend):
+    client, disc = frontend
+    a, b = two_engines([{"break_after": 0}])
+    with a, b:
+        await add(disc, client, winfo("a", a.url), winfo("b", b.url))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3, "stream": True, "n": 2})
+        events = sse(r.text)
+        assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1])
+        assert len(events) == 4
+        # the retry is the original request (n=2 would not be migratable, but nothing had reached the client)
+        assert [q["body"]["prompt"] for e in (a, b) for q in e.requests] == ["hi", "hi"]
+
+
+async def test_lost_final_chunk_only_closes_the_stream(frontend):
+    """The engine died after its last token: nothing is re-generated, the stream is just ended well."""
+    client, disc = frontend
+    a, b = two_engines([{"stop_after": 4}])
+    with a, b:
+        await add(disc, client, winfo("a", a.url), winfo("b", b.url))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+        events = sse(r.text)
+        assert len(a.requests) + len(b.requests) == 1
+        assert events[-1] == "[DONE]"
+        assert events[-2]["usage"]["completion_tokens"] == 4
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_lost_done_after_usage_adds_only_done(frontend):
+    """The engine died after its usage chunk reached the client: only [DONE] follows (no second usage)."""
+    client, disc = frontend
+    a, b = two_engines([{"break_before_done": True}])
+    with a, b:
+        await add(disc, client, winfo("a", a.url), winfo("b", b.url))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 4, "stream": True,
+                                                       "stream_options": {"include_usage": True}})
+        events = sse(r.text)
+        assert len(a.requests) + len(b.requests) == 1  # nothing re-generated
+        assert events[-1] == "[DONE]"
+        usages = [e for e in events[:-1] if not e["choices"]]
+        assert len(usages) == 1 and usages[0]["usage"]["completion_tokens"] == 4
+
+
+# ---- the pieces -------------------------------------------------------------------------------------
+
+
+def test_blockers():
+    ok = {"model": "m", "prompt": "x", "stream": True}
+    assert migration_blocker("completions", ok, True) is None
+    assert migration_blocker("completions", {**ok, "stream": False}, True) == "not streamed"
+    assert migration_blocker("completions", {**ok, "prompt": ["a", "b"]}, True) == "several prompts"
+    assert migration_blocker("completions", ok, False) is None  # text fallback
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert migration_blocker("chat", chat, True) is None
+    assert migration_blocker("chat", chat, False) is not None
+    assert migration_blocker("chat", {**chat, "tools": [{"type": "function"}]}, True) == "tools"
+    assert migration_blocker("chat", {**chat, "response_format": {"type": "json_object"}}, True) == "response_format"
+    assert migration_blocker("chat", {**chat, "response_format": {"type": "text"}}, True) is None
+    img = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    assert migration_blocker("chat", {**chat, "messages": [img]}, True) == "multi-modal content"
+
+
+def test_continuation_bodies_exact():
+    body = {"model": "m", "prompt": "p", "max_tokens": 10, "min_tokens": 4, "stream": True, "seed": 7,
+            "stream_options": {"include_usage": False}, "stop": ["\n"]}
+    out = continuation_body("completions", body, [1, 2], [9, 9, 9], "abc", 3, 10, False)
+    assert out == {"model": "m", "prompt": [1, 2, 9, 9, 9], "max_tokens": 7, "min_tokens": 1, "stream": True, "seed": 7,
+                   "stop": ["\n"], "stream_options": {"include_usage": True}}
+    # no tokenizer: text continuation
+    out = continuation_body("completions", body, [], None, " abc", 3, 10, False)
+    assert out["prompt"] == "p abc"
+    chat = {"model": "m", "messages": [{"role": "user", "content": "q"}], "max_completion_tokens": 5, "tools": None,
+            "temperature": 0.2, "stream": True, "chat_template_kwargs": {}}
+    out = continuation_body("chat", chat, [4], [8], "x", 1, 5, True)
+    assert out == {"model": "m", "temperature": 0.2, "prompt": [4, 8], "max_tokens": 4, "stream": True,
+                   "stream_options": {"include_usage": True}, "return_token_ids": True}
+    # max_tokens unknown (the engine fills to the context): not set
+    assert "max_tokens" not in continuation_body("completions", {**body, "max_tokens": None}, [1], [2], "", 1, None, False)
+
+
+def test_tracker_and_rewriter():
+    t = StreamTracker()
+    t.feed(b'data: {"id":"c1","object":"chat.completion.chunk","created":5,"model":"m","system_fingerprint":"fp",'
+           b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}')
+    t.feed(b'data: {"id":"c1","created":5,"model":"m","choices":[{"index":0,"delta":{"content":" a"},"finish_reason":null,"token_ids":[11]}]}')
+    assert t.generated_ids(None) == ([11], True)
+    t.feed(b'data: {"id":"c1","created":5,"model":"m","choices":[{"index":0,"delta":{"content":""},"finish_reason":null,"token_ids":[12,13]}]}')
+    assert t.generated_ids(None) == ([11], True) and t.held == 2  # held-back text: those ids are regenerated
+    t.feed(b'data: {"id":"c1","created":5,"model":"m","choices":[{"index":0,"delta":{"content":"\\u00e9"},"finish_reason":null,"token_ids":[14]}]}')
+    assert t.generated_ids(None) == ([11, 12, 13, 14], True)
+    t.feed(b'data: {"id":"c1","created":5,"model":"m","choices":[{"index":0,"delta":{"content":" b"},"finish_reason":null}]}')
+    assert t.generated_ids(None) == (None, False)  # a chunk without ids: fall back to re-tokenizing
+    assert t.generated_ids(lambda s: [len(s)]) == ([2, 1, 2], False)  # chunk by chunk
+    t.feed(b"data: {not json")
+    assert t.blocked == "unreadable chunk"
+    rw = ChunkRewriter("chat", t, prompt_tokens=10, generated_before=2, keep_token_ids=False)
+    out = json.loads(rw(b'data: {"id":"cmpl-x","object":"text_completion","created":99,"model":"m","choices":[{"index":0,'
+                        b'"text":" c","logprobs":null,"finish_reason":"stop","stop_reason":null,"token_ids":[3]}],'
+                        b'"usage":{"prompt_tokens":12,"completion_tokens":1,"total_tokens":13}}')[6:])
+    assert out == {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m", "system_fingerprint": "fp",
+                   "choices": [{"index": 0, "delta": {"content": " c"}, "logprobs": None, "finish_reason": "stop", "stop_reason": None}],
+                   "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}}
+    assert rw(b'data: {"error":{"message":"x"}}') == b'data: {"error":{"message":"x"}}'
+
+
+def test_strip_token_ids():
+    ev = b'data: {"choices":[{"text":"a","prompt_token_ids":[1, 2,3],"token_ids":[4]}]}'
+    assert strip_token_ids(ev) == b'data: {"choices":[{"text":"a","prompt_token_ids":null,"token_ids":null}]}'
+    assert strip_token_ids(b'data: {"token_ids":null}') == b'data: {"token_ids":null}'

@@ -1,0 +1,65 @@
+"""WorkerPool: a joining worker is scraped before it becomes routable, and telemetry diffs its counters from there.
+
+The race this guards against: `kvyard up` starts the engines before the frontend, so each worker is older
+than the frontend's telemetry aggregator; if the first metrics the aggregator saw came from a scrape taken
+after the first burst of requests, that burst's prefix-cache hits were the baseline and never counted
+(the dashboard's pool hit rate then stayed empty).
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from orchestrator.pool import WorkerPool
+from orchestrator.telemetry_recorder import FrontendTelemetry
+from router import Router
+from workers.discovery import InMemoryDiscovery
+from workers.telemetry import InMemoryTelemetryStore, PoolKey, merge_buckets
+from workers.types import WorkerInfo
+
+
+def metrics(queries: int, hits: int) -> str:
+    return (f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {queries}\n'
+            f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {hits}\n')
+
+
+async def test_join_scrape_is_the_baseline_of_the_hit_rate() -> None:
+    counters = {"q": 1000, "h": 100}  # the engine's history before this frontend existed
+    scrapes: list[int] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        scrapes.append(counters["q"])
+        return httpx.Response(200, text=metrics(counters["q"], counters["h"]))
+
+    disc = InMemoryDiscovery()
+    await disc.register(WorkerInfo(worker_id="w0", model="m", backend="vllm", url="http://127.0.0.1:9", started_at=0.0), 60)
+    pool = WorkerPool(disc, Router("kv"))
+    await pool._client.aclose()
+    pool._client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    joined: list[str] = []
+    pool.on_worker_joined.append(lambda live: joined.append(live.info.worker_id))
+    telemetry = FrontendTelemetry.for_pool(InMemoryTelemetryStore(), pool)
+
+    await pool.refresh()
+    assert joined == ["w0"] and scrapes == [1000]  # scraped once, before it was routable
+    assert pool.workers["w0"].metrics is not None
+
+    counters.update(q=1400, h=400)  # a burst: 400 queried tokens, 300 of them hits, before any flush
+    await pool.scrape()
+    telemetry.aggregator.record_workers([(w.info, w.metrics) for w in pool.workers.values()])
+    (bucket,) = telemetry.aggregator.drain().buckets.values()
+    assert (bucket.kv_hit_tokens, bucket.kv_query_tokens) == (300, 400)
+    stats = merge_buckets(PoolKey("m", "both"), [bucket], window_s=10)
+    assert stats.kv_hit_rate == 0.75
+    await pool.close()
+
+
+async def test_a_join_scrape_that_fails_still_adds_the_worker() -> None:
+    disc = InMemoryDiscovery()
+    await disc.register(WorkerInfo(worker_id="w0", model="m", backend="vllm", url="http://127.0.0.1:9"), 60)
+    pool = WorkerPool(disc, Router("kv"))
+    await pool._client.aclose()
+    pool._client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: (_ for _ in ()).throw(httpx.ConnectError("refused"))))
+    await pool.refresh()
+    assert list(pool.workers) == ["w0"] and pool.workers["w0"].metrics is None
+    await pool.close()

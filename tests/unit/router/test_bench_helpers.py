@@ -1,0 +1,109 @@
+"""The routing benchmarks' offline hit-rate bounds and the Dynamo comparison's helpers (no cluster started)."""
+
+from __future__ import annotations
+
+import json
+import random
+from urllib.parse import quote
+
+import pytest
+
+from benchmarks.dynamo_compare import agreement, count_generate_instances, prepare_model_dir, prom_sum, write_standin
+from benchmarks.routing import affinity_lru_hits, fleet_bound_hits, oracle_hits
+
+A = [1, 2, 3, 4, 99]  # two full blocks of 2 tokens + one partial token
+B = [5, 6, 7, 8, 99]
+
+
+def wl(*prompts):
+    return [{"prompt": list(p)} for p in prompts]
+
+
+def test_cyclic_reuse_larger_than_the_cache():
+    w = wl(A, B, A, B)  # 20 prompt tokens; each repeat could reuse 4 (two blocks) with an infinite cache
+    assert oracle_hits(w, 2)["hits"] == 8
+    assert oracle_hits(w, 2, capacity_blocks=2)["hits"] == 0  # LRU evicts each block just before its reuse
+    # Belady, every block cached on demand: keeps one block of each prompt for its reuse
+    bound = fleet_bound_hits(w, 2, capacity_blocks=2)
+    assert bound["hits"] == 4 and bound["queries"] == 20
+    assert fleet_bound_hits(w, 2, capacity_blocks=4)["hits"] == 8  # fits: the bound is the oracle
+
+
+def test_vllm_rule_one_prompt_token_is_always_computed():
+    w = wl([1, 2, 3, 4], [1, 2, 3, 4])  # second prompt fully cached, but the last block is recomputed
+    assert oracle_hits(w, 2)["hits"] == 2
+    assert fleet_bound_hits(w, 2, capacity_blocks=8)["hits"] == 2
+    assert affinity_lru_hits(w, 2, workers=2, capacity_blocks=8)["hits"] == 2
+
+
+def test_affinity_lru_partitions_the_cache():
+    # two workers of 2 blocks: A and B each stay on their own worker, so both repeats hit fully
+    w = wl(A, B, A, B)
+    assert affinity_lru_hits(w, 2, workers=2, capacity_blocks=2)["hits"] == 8
+    assert affinity_lru_hits(w, 2, workers=1, capacity_blocks=2)["hits"] == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bound_is_never_below_the_achievable_references(seed):
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(8)] for _ in range(6)]
+    w = wl(*(prefixes[rng.randrange(6)][: rng.randrange(2, 9)] + [rng.randrange(1000) for _ in range(3)] for _ in range(60)))
+    for workers, cap in ((1, 4), (2, 4), (4, 3)):
+        bound = fleet_bound_hits(w, 2, capacity_blocks=workers * cap)["hits"]
+        assert bound >= affinity_lru_hits(w, 2, workers, cap)["hits"]
+        assert bound >= oracle_hits(w, 2, capacity_blocks=workers * cap)["hits"]
+        assert bound <= fleet_bound_hits(w, 2, capacity_blocks=workers * cap, bypass=True)["hits"] <= oracle_hits(w, 2)["hits"]
+
+
+def test_prom_sum_adds_every_labelled_sample():
+    text = (
+        "# TYPE dynamo_frontend_cached_tokens histogram\n"
+        'dynamo_frontend_cached_tokens_bucket{model="m",le="100"} 1\n'
+        'dynamo_frontend_cached_tokens_sum{model="m"} 3968\n'
+        'dynamo_frontend_cached_tokens_sum{model="other"} 32\n'
+        'dynamo_frontend_cached_tokens_sum_extra{model="m"} 5\n'
+        "dynamo_frontend_input_sequence_tokens_sum 6000\n"
+    )
+    assert prom_sum(text, "dynamo_frontend_cached_tokens_sum") == 4000
+    assert prom_sum(text, "dynamo_frontend_input_sequence_tokens_sum") == 6000
+    assert prom_sum(text, "absent_metric") == 0
+
+
+def test_count_generate_instances(tmp_path):
+    inst = tmp_path / "v1" / "instances"
+    inst.mkdir(parents=True)
+    for name in ("dynamo/backend/generate/29c0796e", "dynamo/backend/generate/8c7c69f0",
+                 "dynamo/backend/worker_kv_query_source_59173/8c7c69f0"):
+        (inst / quote(name, safe="")).write_text("{}")
+    (tmp_path / "v1" / "mdc").mkdir()
+    (tmp_path / "v1" / "mdc" / quote("dynamo/backend/generate/29c0796e", safe="")).write_text("{}")
+    assert count_generate_instances(tmp_path) == 2
+    assert count_generate_instances(tmp_path / "missing") == 0
+
+
+def test_model_dir_carries_the_chat_template_inline(tmp_path):
+    src = tmp_path / "tok"
+    src.mkdir()
+    (src / "tokenizer.json").write_text("{}")
+    (src / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<e>"}))
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    out = prepare_model_dir(tmp_path / "model", src)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert cfg == {"eos_token": "<e>", "chat_template": "{{ messages }}"}
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 100256
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_standin_package_imports_anything(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(write_standin(tmp_path)))
+    from aisimulate_core.sdk import ForwardPassPerfModelConfig  # noqa: PLC0415 (the stand-in, from tmp_path)
+
+    ForwardPassPerfModelConfig(1, x=2)  # inert
+
+
+def test_agreement_within_tolerance():
+    a = {"ttft_ms": {"p50": 100.0, "p90": 200.0}}
+    assert agreement(a, {"ttft_ms": {"p50": 110.0, "p90": 190.0}}, 0.15)["agree"]
+    bad = agreement(a, {"ttft_ms": {"p50": 120.0, "p90": 200.0}}, 0.15)
+    assert not bad["agree"] and bad["ttft_p50_ratio"] == 1.2
+    assert not agreement(a, {"ttft_ms": {"p50": None, "p90": 200.0}}, 0.15)["agree"]
