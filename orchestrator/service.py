@@ -52,6 +52,7 @@ from orchestrator.resilience.migration import (
     StreamTracker,
     continuation_body,
     migration_blocker,
+    returns_token_ids,
     strip_token_ids,
     usage_event,
 )
@@ -269,7 +270,7 @@ class InferenceService:
         send_body = body
         if req.stream:
             send_body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
-            if blocker is None and info.backend == "vllm" and not body.get("return_token_ids"):
+            if blocker is None and returns_token_ids(info.backend, info.pd_protocol) and not body.get("return_token_ids"):
                 send_body["return_token_ids"] = True  # exact continuation prompts (resilience/migration.py)
                 strip_ids = True
         payload = json.dumps(send_body).encode()

@@ -22,12 +22,13 @@ Design choices (and their trade-offs)
 * Which tokens were generated. Best: the engine says. vLLM (>= 0.10.2, and 0.32 here) returns the
   delta token ids of every chunk with `return_token_ids: true`; the frontend asks for them on vLLM
   workers and strips them from what the client sees (unless the client asked for them itself), so
-  the continuation prompt is exact even when a chunk carries several tokens (speculative decoding).
+  the continuation prompt is exact even when a chunk carries several tokens (speculative decoding,
+  or an engine coalescing a slow reader's tokens). The sim (vLLM flavor) answers them the same way.
   Tokens whose text the engine was still holding back when it died (half a UTF-8 character, a
   possible stop string) are left out and regenerated, so the text stays whole and a stop string is
   still seen whole by the continuing engine (a client that asked for token ids sees those ids twice;
-  vLLM resumed right after half a character re-emits the whole prompt text, seen with 0.32). Fallback (engines that do not return ids, e.g. the
-  sim or SGLang): re-tokenize the text relayed so far with the model's tokenizer, *chunk by chunk*.
+  vLLM resumed right after half a character re-emits the whole prompt text, seen with 0.32). Fallback (engines that do not return ids: SGLang,
+  TRT-LLM): re-tokenize the text relayed so far with the model's tokenizer, *chunk by chunk*.
   Engines stream one token per chunk by default, so each chunk's text encodes back to the token that
   produced it, where re-tokenizing the whole text merges across chunk boundaries (the sim's "." "."
   becomes ".."; measured: 399 ids for 400 tokens). It is still inexact when a chunk's text is not
@@ -58,6 +59,7 @@ __all__ = [
     "migration_blocker",
     "continuation_body",
     "strip_token_ids",
+    "returns_token_ids",
     "usage_event",
     "CONTINUATION_PATH",
 ]
@@ -72,7 +74,7 @@ _CHAT_CARRY = frozenset({
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
     "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "skip_special_tokens",
     "spaces_between_special_tokens", "user", "priority", "bad_words", "allowed_token_ids", "length_penalty",
-    "min_tokens", "cache_salt", "request_id", "vllm_xargs",
+    "min_tokens", "cache_salt", "request_id", "vllm_xargs", "return_token_ids",
 })
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
            "structured_outputs", "regex", "json_schema", "ebnf")
@@ -80,6 +82,16 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gu
 
 def _truthy(v: Any) -> bool:
     return v not in (None, False, 0, "", [], {})
+
+
+def returns_token_ids(backend: str, protocol: str | None) -> bool:
+    """Does this engine answer vLLM's `return_token_ids` (the delta ids of every chunk)?
+
+    Real vLLM does, and so does the sim in its default vLLM flavor (`protocol` None or "vllm": the
+    sim's `--flavor` is published as the worker's `pd_protocol`); SGLang and TRT-LLM (and the sim
+    playing them) ignore the field, so their continuations fall back to re-tokenizing the text.
+    """
+    return backend == "vllm" or (backend == "sim" and (protocol or "vllm") == "vllm")
 
 
 def migration_blocker(kind: str, body: dict, have_prompt_ids: bool) -> str | None:

@@ -88,12 +88,14 @@ async def test_vllm_stream_golden_bodies(stack):
         assert r.status_code == 200, r.text
         assert streamed_text(r.text, chat=False) == "xxxx"
         assert sse_events(r.text)[-1] == "data: [DONE]"
+        # the frontend asks a vLLM-protocol engine for token ids on streams (exact mid-stream migration); the client never sees them
         assert p.bodies == [{"model": "m", "prompt": LONG, "max_tokens": 1, "stream": False, "temperature": 0.0,
-                             "kv_transfer_params": VLLM_PREFILL_PARAMS}]
+                             "return_token_ids": True, "kv_transfer_params": VLLM_PREFILL_PARAMS}]
+        assert 'token_ids":[' not in r.text
         handoff = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3], "remote_engine_id": p.engine_id,
                    "remote_request_id": r.headers["x-request-id"], "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
                    "remote_blocks_expiry_time": d.bodies[0]["kv_transfer_params"]["remote_blocks_expiry_time"]}
-        assert d.bodies == [{**client_body, "stream_options": {"include_usage": True}, "kv_transfer_params": handoff}]
+        assert d.bodies == [{**client_body, "stream_options": {"include_usage": True}, "return_token_ids": True, "kv_transfer_params": handoff}]
         rid = r.headers["x-request-id"]
         assert p.requests[0]["headers"]["x-request-id"] == d.requests[0]["headers"]["x-request-id"] == rid
         assert r.headers["x-kvyard-worker"] == "d"
@@ -126,7 +128,7 @@ async def test_vllm_prefill_failure_falls_back_to_aggregated(stack):
         r = await stack.client.post("/v1/completions", json=body)
         assert r.status_code == 200 and streamed_text(r.text, chat=False) == "xxx"
         assert len(p.bodies) == 1
-        assert d.bodies == [{**body, "stream_options": {"include_usage": True}}]  # the plain request: no hand-off
+        assert d.bodies == [{**body, "stream_options": {"include_usage": True}, "return_token_ids": True}]  # the plain request: no hand-off
         assert stack.decisions("fallback", "prefill_error") == 1
         assert stack.books_closed()
 

@@ -27,8 +27,10 @@ from .fault_engine import TOKEN_BASE, WORDS, FaultEngine
 TOK = load_tokenizer(str(TOKENIZER_DIR))
 
 
-def winfo(wid: str, url: str, backend: str = "sim") -> WorkerInfo:
-    return WorkerInfo(worker_id=wid, model="m", backend=backend, url=url, block_size=16, max_model_len=4096, tokenizer=str(TOKENIZER_DIR))
+def winfo(wid: str, url: str, backend: str = "sim", protocol: str | None = "sglang") -> WorkerInfo:
+    """By default an engine that returns no token ids (the sim playing SGLang): continuations re-tokenize."""
+    return WorkerInfo(worker_id=wid, model="m", backend=backend, url=url, block_size=16, max_model_len=4096, tokenizer=str(TOKENIZER_DIR),
+                      pd_protocol=protocol if backend == "sim" else None)
 
 
 @pytest.fixture
@@ -90,7 +92,7 @@ async def test_completions_stream_migrated_exactly(frontend, fault):
         gen = "".join(WORDS[:3])
         assert cont["body"]["prompt"] == TOK.encode("hello world") + TOK.encode(gen, add_special_tokens=False)
         assert cont["body"]["max_tokens"] == 5 and cont["body"]["stream"] is True
-        assert "return_token_ids" not in cont["body"]  # sim backend: re-tokenized
+        assert "return_token_ids" not in cont["body"]  # an engine without token ids: re-tokenized
         # the client: one answer, one id, 8 tokens of text, one usage with the totals, then [DONE]
         assert events[-1] == "[DONE]"
         chunks = [e for e in events[:-1] if e["choices"]]
@@ -154,6 +156,20 @@ async def test_vllm_token_ids_used_and_hidden(frontend):
         assert all(c["choices"][0]["token_ids"] is None for c in chunks)
         assert all(c["choices"][0].get("prompt_token_ids") is None for c in chunks)
         assert len(chunks) == 6
+
+
+@pytest.mark.parametrize("backend,protocol,asked", [("vllm", None, True), ("sim", None, True), ("sim", "vllm", True),
+                                                    ("sim", "sglang", False), ("sim", "trtllm", False), ("sglang", None, False)])
+async def test_token_ids_asked_of_engines_that_return_them(frontend, backend, protocol, asked):
+    """vLLM and the sim in its vLLM flavor answer `return_token_ids`: the frontend asks them (exact
+    continuations even when an engine coalesces tokens into one chunk); others get the client's body."""
+    client, disc = frontend
+    a = FaultEngine("a", plan=[])
+    with a:
+        await add(disc, client, winfo("a", a.url, backend, protocol))
+        r = await client.post("/v1/completions", json={"model": "m", "prompt": [5, 6], "max_tokens": 3, "stream": True})
+        assert r.status_code == 200 and "token_ids\":[" not in r.text
+        assert ("return_token_ids" in a.requests[0]["body"]) is asked
 
 
 async def test_client_asking_token_ids_keeps_them(frontend):
@@ -287,6 +303,8 @@ def test_continuation_bodies_exact():
     out = continuation_body("chat", chat, [4], [8], "x", 1, 5, True)
     assert out == {"model": "m", "temperature": 0.2, "prompt": [4, 8], "max_tokens": 4, "stream": True,
                    "stream_options": {"include_usage": True}, "return_token_ids": True}
+    # a chat client that asked for ids keeps getting them from the continuation
+    assert continuation_body("chat", {**chat, "return_token_ids": True}, [4], [8], "x", 1, 5, False)["return_token_ids"] is True
     # max_tokens unknown (the engine fills to the context): not set
     assert "max_tokens" not in continuation_body("completions", {**body, "max_tokens": None}, [1], [2], "", 1, None, False)
 

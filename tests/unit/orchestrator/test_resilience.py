@@ -96,12 +96,19 @@ async def test_failing_worker_opened_skipped_and_brought_back(frontend):
         a.fail_status = 500
         a.health = 503
         await add(disc, client, winfo("a", a.url), winfo("b", b.url))
-        for _ in range(6):  # every request succeeds (retried on b); a's breaker opens after 2 failures
+        # every request succeeds (retried on b); a's breaker opens after its 2nd failure. The picker breaks
+        # ties at random, so send until a has been tried twice (all 40 missing it: chance 2**-39)
+        for _ in range(40):
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
             assert r.status_code == 200
+            if len(a.requests) >= 2:
+                break
         service = client.app.state.service
-        assert service.breakers.state("a") != BreakerState.CLOSED
-        assert len(a.requests) == 2  # skipped by routing once open
+        assert len(a.requests) == 2 and service.breakers.state("a") != BreakerState.CLOSED
+        for _ in range(6):  # open (or half-open, probing /health): skipped by routing
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200
+        assert len(a.requests) == 2
         assert counter(client, "kvyard_breaker_state", worker="a") >= 1
         # health checks fail while it is down, then pass once it recovers: the breaker closes
         for _ in range(100):
