@@ -52,6 +52,7 @@ class PdStack:
     url: str
     prefill: str  # engine URLs
     decode: str
+    tmp: Path  # where every log of the stack is (engines' under .kvyard/logs): shown when a request fails
 
 
 def _metric(text: str, name: str) -> float:
@@ -123,7 +124,7 @@ def pd(request, redis_url, tmp_path_factory) -> Iterator[PdStack]:
     url = f"http://127.0.0.1:{fport}"
     try:
         engines = _wait_ready(url, procs, tmp)
-        yield PdStack(request.param, url, engines["prefill"], engines["decode"])
+        yield PdStack(request.param, url, engines["prefill"], engines["decode"], tmp)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -149,7 +150,7 @@ def test_real_vllm_prefill_hands_kv_to_real_vllm_decode(pd: PdStack) -> None:
         before_p = c.get(pd.prefill + "/metrics").text
         r = c.post(pd.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
                                                      "ignore_eos": True, "return_token_ids": True})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, r.text + "\n" + _logs(pd.tmp)
         assert r.headers["x-kvyard-worker"].startswith("vllm"), r.headers
         disagg = r.json()["choices"][0]
         after_d = c.get(pd.decode + "/metrics").text
@@ -182,7 +183,7 @@ def test_real_vllm_disagg_streams(pd: PdStack) -> None:
         with c.stream("POST", pd.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 6,
                                                                 "temperature": 0, "ignore_eos": True, "stream": True,
                                                                 "stream_options": {"include_usage": True}}) as r:
-            assert r.status_code == 200
+            assert r.status_code == 200, _logs(pd.tmp)
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
