@@ -41,6 +41,7 @@ def test_argv_and_cpu_env():
     assert spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and spec.env["VLLM_TARGET_DEVICE"] == "cpu"
     assert spec.env["HF_HUB_OFFLINE"] == "1" and spec.env["VLLM_HOST_IP"] == "127.0.0.1"
     assert "PYTHONHASHSEED" not in spec.env  # it would change vLLM's block-hash seed
+    assert spec.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # co-located engines must not share pinned cores
 
 
 def test_kv_events_config_json():
