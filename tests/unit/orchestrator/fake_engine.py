@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-__all__ = ["FakeEngine", "free_port"]
+__all__ = ["FakeEngine", "ThreadedEngine", "free_port"]
 
 
 def free_port() -> int:
@@ -27,26 +27,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class FakeEngine:
-    def __init__(self, tokens: int = 5, fail_status: int | None = None, break_after: int | None = None, delay_s: float = 0.0) -> None:
-        self.tokens = tokens
-        self.fail_status = fail_status
-        self.break_after = break_after
-        self.delay_s = delay_s
-        self.requests: list[dict] = []
-        self.cancelled = 0
+class ThreadedEngine:
+    """A Starlette app served by uvicorn on a free 127.0.0.1 port in a thread; `with` starts and stops it."""
+
+    def _serve_routes(self, routes: list[Route]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        app = Starlette(routes=[
-            Route("/v1/completions", self._complete, methods=["POST"]),
-            Route("/v1/chat/completions", self._complete, methods=["POST"]),
-            Route("/health", lambda r: PlainTextResponse("")),
-            Route("/metrics", lambda r: PlainTextResponse("vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n")),
-        ])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self._server = uvicorn.Server(uvicorn.Config(Starlette(routes=routes), host="127.0.0.1", port=self.port, log_level="error"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
-    def __enter__(self) -> "FakeEngine":
+    def __enter__(self):
         self._thread.start()
         while not self._server.started:
             time.sleep(0.01)
@@ -55,6 +45,22 @@ class FakeEngine:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(5)
+
+
+class FakeEngine(ThreadedEngine):
+    def __init__(self, tokens: int = 5, fail_status: int | None = None, break_after: int | None = None, delay_s: float = 0.0) -> None:
+        self.tokens = tokens
+        self.fail_status = fail_status
+        self.break_after = break_after
+        self.delay_s = delay_s
+        self.requests: list[dict] = []
+        self.cancelled = 0
+        self._serve_routes([
+            Route("/v1/completions", self._complete, methods=["POST"]),
+            Route("/v1/chat/completions", self._complete, methods=["POST"]),
+            Route("/health", lambda r: PlainTextResponse("")),
+            Route("/metrics", lambda r: PlainTextResponse("vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n")),
+        ])
 
     async def _complete(self, request: Request):
         body = await request.json()

@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from .fake_engine import free_port
+from .fake_engine import ThreadedEngine
 
 __all__ = ["HandoffBook", "FakePDEngine"]
 
@@ -45,7 +42,7 @@ def _err(status: int, msg: str) -> JSONResponse:
     return JSONResponse({"error": {"message": msg, "type": "BadRequestError", "param": None, "code": status}}, status_code=status)
 
 
-class FakePDEngine:
+class FakePDEngine(ThreadedEngine):
     def __init__(self, flavor: str, role: str, book: HandoffBook, tokens: int = 4, fail_status: int | None = None,
                  delay_s: float = 0.0, omit_handoff: bool = False, ctx_finish_reason: str = "length",
                  token_delay_s: float = 0.005) -> None:
@@ -55,28 +52,14 @@ class FakePDEngine:
         self.requests: list[dict] = []
         self.cancelled = 0  # requests the client dropped while this engine was working on them
         self.completed = 0
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.engine_id = f"engine-{self.port}"
         self._ctx_ids = 0
-        app = Starlette(routes=[
+        self._serve_routes([
             Route("/v1/completions", self._serve, methods=["POST"]),
             Route("/v1/chat/completions", self._serve, methods=["POST"]),
             Route("/health", lambda r: PlainTextResponse("")),
             Route("/metrics", lambda r: PlainTextResponse("vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n")),
         ])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def __enter__(self) -> "FakePDEngine":
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(5)
+        self.engine_id = f"engine-{self.port}"
 
     @property
     def bodies(self) -> list[dict]:

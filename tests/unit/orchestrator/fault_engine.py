@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .fake_engine import free_port
+from .fake_engine import ThreadedEngine
 
 __all__ = ["FaultEngine", "WORDS", "TOKEN_BASE"]
 
@@ -42,7 +38,7 @@ def _dumps(o) -> str:
     return json.dumps(o, separators=(",", ":"))
 
 
-class FaultEngine:
+class FaultEngine(ThreadedEngine):
     def __init__(self, name: str = "e", prompt_tokens: int = 3, plan: list[dict] | None = None) -> None:
         self.name = name
         self.plan = plan if plan is not None else []
@@ -55,26 +51,12 @@ class FaultEngine:
         self.health = 200
         self.requests: list[dict] = []  # {"path", "body"}
         self.health_checks = 0
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        app = Starlette(routes=[
+        self._serve_routes([
             Route("/v1/completions", self._complete, methods=["POST"]),
             Route("/v1/chat/completions", self._complete, methods=["POST"]),
             Route("/health", self._health),
             Route("/metrics", lambda r: PlainTextResponse("")),
         ])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def __enter__(self) -> "FaultEngine":
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(5)
 
     async def _health(self, request: Request) -> Response:
         self.health_checks += 1
