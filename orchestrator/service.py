@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from orchestrator.config import FrontendConfig
+from orchestrator.disagg.coordinator import protocol_of
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
 from orchestrator.errors import (
     BadRequestError,
@@ -52,7 +53,6 @@ from orchestrator.resilience.migration import (
     StreamTracker,
     continuation_body,
     migration_blocker,
-    returns_token_ids,
     strip_token_ids,
     usage_event,
 )
@@ -270,7 +270,8 @@ class InferenceService:
         send_body = body
         if req.stream:
             send_body = {**body, "stream_options": {**(body.get("stream_options") or {}), "include_usage": True}}
-            if blocker is None and returns_token_ids(info.backend, info.pd_protocol) and not body.get("return_token_ids"):
+            # vLLM and the sim in its vLLM flavor answer `return_token_ids` (SGLang and TRT-LLM do not)
+            if blocker is None and protocol_of(info) == "vllm" and not body.get("return_token_ids"):
                 send_body["return_token_ids"] = True  # exact continuation prompts (resilience/migration.py)
                 strip_ids = True
         payload = json.dumps(send_body).encode()

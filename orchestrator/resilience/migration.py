@@ -59,7 +59,6 @@ __all__ = [
     "migration_blocker",
     "continuation_body",
     "strip_token_ids",
-    "returns_token_ids",
     "usage_event",
     "CONTINUATION_PATH",
 ]
@@ -82,16 +81,6 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gu
 
 def _truthy(v: Any) -> bool:
     return v not in (None, False, 0, "", [], {})
-
-
-def returns_token_ids(backend: str, protocol: str | None) -> bool:
-    """Does this engine answer vLLM's `return_token_ids` (the delta ids of every chunk)?
-
-    Real vLLM does, and so does the sim in its default vLLM flavor (`protocol` None or "vllm": the
-    sim's `--flavor` is published as the worker's `pd_protocol`); SGLang and TRT-LLM (and the sim
-    playing them) ignore the field, so their continuations fall back to re-tokenizing the text.
-    """
-    return backend == "vllm" or (backend == "sim" and (protocol or "vllm") == "vllm")
 
 
 def migration_blocker(kind: str, body: dict, have_prompt_ids: bool) -> str | None:
