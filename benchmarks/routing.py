@@ -272,6 +272,19 @@ def cache_references(workload: list[dict], args, num_gpu_blocks: int) -> dict:
 # ---------------------------------------------------------------- cluster
 
 METRIC_RE = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)_total)\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+ROUTER_RE = re.compile(r"^kvyard_router_(overlap_blocks|best_overlap_blocks|prompt_blocks)_total\{[^}]*\}\s+([0-9.eE+-]+)$", re.M)
+
+
+async def router_counters(client: httpx.AsyncClient, port: int) -> dict:
+    """The frontend's view: blocks it predicted cached on the chosen worker, on the best-holding worker, of all
+    prompts; and, per worker, the blocks its KV events stored and removed (evictions)."""
+    tot = {"overlap_blocks": 0.0, "best_overlap_blocks": 0.0, "prompt_blocks": 0.0}
+    for name, val in ROUTER_RE.findall((await client.get(f"http://127.0.0.1:{port}/metrics")).text):
+        tot[name] += float(val)
+    events = (await client.get(f"http://127.0.0.1:{port}/api/cluster")).json()["kv"]["events"] or {}
+    tot["blocks_stored"] = {w: s.get("blocks_stored", 0) for w, s in events.items()}
+    tot["blocks_removed"] = {w: s.get("blocks_removed", 0) for w, s in events.items()}
+    return tot
 
 
 async def engine_counters(client: httpx.AsyncClient, ports: list[int]) -> dict:
@@ -286,15 +299,16 @@ async def engine_counters(client: httpx.AsyncClient, ports: list[int]) -> dict:
 class Cluster:
     """`kvyard up` as a child process (own session); stopped by its PID, SIGTERM then SIGKILL of its group."""
 
-    def __init__(self, args, policy: str, num_gpu_blocks: int, tmp: Path, overlap_weight: float | None = None) -> None:
+    def __init__(self, args, policy: str, num_gpu_blocks: int, tmp: Path, kv: dict | None = None) -> None:
         self.args, self.policy = args, policy
         self.ports = [args.base_port + i for i in range(args.workers)]
-        tag = f"{policy}-{num_gpu_blocks}" + (f"-ow{overlap_weight:g}" if overlap_weight is not None else "")
+        kv = kv or {}
+        tag = f"{policy}-{num_gpu_blocks}" + "".join(f"-{k}{v:g}" for k, v in sorted(kv.items()))
         cfg = tmp / f"up-{tag}.yaml"
         logs = tmp / f"logs-{tag}"
         conf = {"engine_args": ["--num-gpu-blocks", str(num_gpu_blocks)], "log_dir": str(logs)}
-        if overlap_weight is not None:
-            conf["frontend"] = {"kv_overlap_weight": overlap_weight}
+        if kv:
+            conf["frontend"] = {f"kv_{k}": v for k, v in kv.items()}
         cfg.write_text(json.dumps(conf))
         self.cmd = [sys.executable, "-m", "orchestrator", "--log-level", "warning", "up", "--workers", str(args.workers),
                     "--policy", policy, "--speedup", str(args.speedup), "--port", str(args.port), "--base-port",
@@ -316,6 +330,9 @@ class Cluster:
                     d = r.json()
                     ready = [w for w in d["workers"] if w["state"] == "ready" and w["running"] is not None]
                     if len(ready) == self.args.workers and d["policy"] == self.policy:
+                        # the launcher moves an engine to the next free port when its own is still taken (a previous
+                        # run's engine not yet gone): read where each one listens instead of assuming base_port + i
+                        self.ports = sorted(httpx.URL(w["url"]).port for w in ready)
                         await asyncio.sleep(1.0)
                         return self
                 except (httpx.HTTPError, ValueError, KeyError):
@@ -379,29 +396,39 @@ async def replay(url: str, workload: list[dict], speedup: float, sequential: boo
         "wall_s": round(wall, 2), "profile_s": round(wall * s, 2),
         "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
         "req_per_s": round(len(ok) / (wall * s), 3), "output_tok_per_s": round(tokens / (wall * s), 1),
-        "prompt_tok_per_s": round(prompt_tokens / (wall * s), 1),
+        "prompt_tok_per_s": round(prompt_tokens / (wall * s), 1), "prompt_tokens": prompt_tokens,
         "send_lag_wall_ms": percentiles([x * 1000 for x in lags]) if lags else None,
         "_ttft_all": ttft,
     }
 
 
 async def run_policy(args, policy: str, workload: list[dict], num_gpu_blocks: int, tmp: Path, label: str,
-                     sequential: bool = False, overlap_weight: float | None = None) -> dict:
+                     sequential: bool = False, kv: dict | None = None) -> dict:
     print(f"[{label}] policy {policy}: starting 8 workers…", flush=True)
-    async with Cluster(args, policy, num_gpu_blocks, tmp, overlap_weight) as cl:
+    async with Cluster(args, policy, num_gpu_blocks, tmp, kv) as cl:
         async with httpx.AsyncClient(timeout=10) as c:
             before = await engine_counters(c, cl.ports)
+            r_before = await router_counters(c, args.port)
             la0 = os.getloadavg()[0]
             res = await replay(f"http://127.0.0.1:{args.port}", workload, args.speedup, sequential)
             await asyncio.sleep(1.5)  # last metrics
             after = await engine_counters(c, cl.ports)
+            r_after = await router_counters(c, args.port)
             per_worker = [w.get("generation_tokens") for w in (await c.get(f"http://127.0.0.1:{args.port}/api/cluster")).json()["workers"]]
     dh, dq = after["hits"] - before["hits"], after["queries"] - before["queries"]
-    res.update({"policy": policy, "overlap_weight": overlap_weight, "num_gpu_blocks": num_gpu_blocks, "cache_hits_tokens": dh, "cache_queries_tokens": dq,
+    rd = {k: r_after[k] - r_before[k] for k in ("overlap_blocks", "best_overlap_blocks", "prompt_blocks")}
+    if rd["prompt_blocks"]:  # token shares, as the engines' hit rate (blocks × block size / prompt tokens)
+        bs = args.block_size
+        res["router"] = {**rd, "predicted_hit_rate_chosen": round(rd["overlap_blocks"] * bs / max(1, res["prompt_tokens"]), 4),
+                         "predicted_hit_rate_best": round(rd["best_overlap_blocks"] * bs / max(1, res["prompt_tokens"]), 4),
+                         "blocks_removed": {w: v - r_before["blocks_removed"].get(w, 0) for w, v in r_after["blocks_removed"].items()},
+                         "blocks_stored": {w: v - r_before["blocks_stored"].get(w, 0) for w, v in r_after["blocks_stored"].items()}}
+    kv = kv or {}
+    res.update({"policy": policy, "overlap_weight": kv.get("overlap_weight"), "reuse_weight": kv.get("reuse_weight"), "num_gpu_blocks": num_gpu_blocks, "cache_hits_tokens": dh, "cache_queries_tokens": dq,
                 "hit_rate": round(dh / dq, 4) if dq else None, "loadavg_start": round(la0, 2),
                 "loadavg_end": round(os.getloadavg()[0], 2), "generation_tokens_per_worker": per_worker})
     short = {k: res[k] for k in ("ok", "errors", "wall_s", "req_per_s", "hit_rate", "loadavg_end")}
-    print(f"[{label}] {policy} (overlap weight {overlap_weight}): TTFT {res['ttft_ms']} ITL p50 {res['itl_ms']['p50']} {short}", flush=True)
+    print(f"[{label}] {policy} {kv or ''}: TTFT {res['ttft_ms']} ITL p50 {res['itl_ms']['p50']} {short}", flush=True)
     return res
 
 
@@ -422,6 +449,18 @@ def reference_rows(sec: dict, bound: float, blanks: int) -> list[str]:
     pad = "| " * blanks
     return [f"| {title} {pad}| {fmt(100 * sec[key]['hit_rate'])}% | {fmt(100 * sec[key]['hit_rate'] / bound)}% | |"
             for key, title in REFERENCES if sec.get(key)]
+
+
+def rounds_lines(runs: dict, bound: float) -> list[str]:
+    """With --repeats: the rows above are medians; this says what each round read."""
+    if not any(r.get("rounds") for r in runs.values()):
+        return []
+    L = [f"Rows are medians over {len(next(iter(runs.values()))['rounds'])} rounds (each policy once per round, "
+         "rounds back to back, a fresh cluster per run). Per round, TTFT p90 ms / hit rate as % of the fleet bound:", ""]
+    for pol, r in runs.items():
+        L.append(f"- {pol}: " + "; ".join(f"{fmt(x['ttft_ms']['p90'])} / {fmt(100 * x['hit_rate'] / bound)}%"
+                                          for x in r["rounds"]))
+    return L + [""]
 
 
 def write_report(out: dict, cmd: str) -> None:
@@ -466,9 +505,18 @@ def write_report(out: dict, cmd: str) -> None:
                      f"{fmt(r['req_per_s'], 2)} | {fmt(r['output_tok_per_s'], 0)} | {fmt(100 * r['hit_rate'])}% | "
                      f"{fmt(100 * r['hit_rate'] / bound)}% | {r['errors']} |")
         L += reference_rows(tr, bound, 7)
-        L += ["", "Times in ms. Targets (reported, not asserted): kv TTFT p90 ≤ ⅓ of round-robin's → "
-              f"kv/rr = **{fmt(tr.get('kv_over_rr_p90'), 3)}**; kv hit rate ≥ 95% of the fleet bound's → "
-              f"**{fmt(tr.get('kv_hit_over_bound_pct'))}%** (of the infinite oracle: {fmt(tr.get('kv_hit_over_oracle_pct'))}%).", ""]
+        if tr.get("kv_over_rr_p90") is None:  # a sweep (kv rows labelled by their parameters) or no round-robin run
+            L += ["", "Times in ms. Targets (kv TTFT p90 ≤ ⅓ of round-robin's, kv hit rate ≥ 95% of the fleet bound's): this run "
+                  "has no plain `kv` row beside round-robin; read each kv row against the round-robin and bound rows.", ""]
+        else:
+            rr_note = ""
+            if tr.get("kv_over_rr_p90_rounds"):
+                rr_note = (" (the median of the rounds' own ratios: "
+                           + ", ".join(fmt(x, 3) for x in tr["kv_over_rr_p90_rounds"]) + ")")
+            L += ["", "Times in ms. Targets (reported, not asserted): kv TTFT p90 ≤ ⅓ of round-robin's → "
+                  f"kv/rr = **{fmt(tr.get('kv_over_rr_p90'), 3)}**{rr_note}; kv hit rate ≥ 95% of the fleet bound's → "
+                  f"**{fmt(tr.get('kv_hit_over_bound_pct'))}%** (of the infinite oracle: {fmt(tr.get('kv_hit_over_oracle_pct'))}%).", ""]
+        L += rounds_lines(tr["runs"], bound)
     sp = out.get("shared_prefix")
     if sp:
         q = sp["params"]
@@ -485,6 +533,7 @@ def write_report(out: dict, cmd: str) -> None:
             L.append(f"| {pol} | {fmt(t['p50'])} | {fmt(t['p90'])} | {fmt(t['p99'])} | {fmt(r['itl_ms']['p50'], 2)} | "
                      f"{fmt(100 * r['hit_rate'])}% | {fmt(100 * r['hit_rate'] / bound)}% | {r['errors']} |")
         L += reference_rows(sp, bound, 4)
+        L += [""] + rounds_lines(sp["runs"], bound)
         L += ["", "Dynamo 1.6.1 measured on this machine (reference/tools.md addendum, 8 mockers, H200 profile, 16,384 blocks, "
               "20 req/s): kv TTFT p50 25 ms vs round-robin 105 ms; prompt-cache reads 78% vs 38%.", ""]
     if out.get("notes"):
@@ -560,17 +609,69 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sp-policies", default="kv,round-robin")
     ap.add_argument("--skip", default="", help="comma list of: trace, unloaded, shared")
     ap.add_argument("--kv-overlap-weight", type=float, default=None, help="frontend kv_overlap_weight (default: the frontend's)")
+    ap.add_argument("--kv-reuse-weight", type=float, default=None, help="frontend kv_reuse_weight (default: the frontend's)")
+    ap.add_argument("--reuse-weights", default="", help="sweep: also run kv once per reuse weight, e.g. 1,2,4")
     ap.add_argument("--overlap-weights", default="", help="sweep: also run kv once per weight, e.g. 0.5,1,2,4,8")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every run, interleaved (kv, round-robin, kv, ...), each on a fresh cluster; the "
+                         "report gives per-policy medians and the per-round kv/round-robin ratios")
     ap.add_argument("--out", default="routing", help="results/<out>.json, .md, .png")
     return ap
 
 
-def run_list(args, policies: str) -> list[tuple[str, str, float | None]]:
-    """(label, policy, kv overlap weight) per run: the policies, then kv once per --overlap-weights entry."""
-    runs = [(p, p, args.kv_overlap_weight if p == "kv" else None) for p in filter(None, policies.split(","))]
+def run_list(args, policies: str) -> list[tuple[str, str, dict]]:
+    """(label, policy, kv settings for the frontend) per run: the policies, then kv once per --overlap-weights
+    entry and once per --reuse-weights entry (each with the other setting as given, or the frontend's default)."""
+    base = {k: v for k, v in (("overlap_weight", args.kv_overlap_weight), ("reuse_weight", args.kv_reuse_weight)) if v is not None}
+    runs = [(p, p, base if p == "kv" else {}) for p in filter(None, policies.split(","))]
     for w in filter(None, args.overlap_weights.split(",")):
-        runs.append((f"kv w={float(w):g}", "kv", float(w)))
+        runs.append((f"kv w={float(w):g}", "kv", {**base, "overlap_weight": float(w)}))
+    for w in filter(None, args.reuse_weights.split(",")):
+        runs.append((f"kv reuse={float(w):g}", "kv", {**base, "reuse_weight": float(w)}))
     return runs
+
+
+def median_run(rounds: list[dict]) -> dict:
+    """One row for a policy run several times: every number is the median over the rounds (each latency
+    percentile on its own), lists and strings are the first round's; `rounds` keeps each round's headline."""
+    if len(rounds) == 1:
+        return rounds[0]
+
+    def med(vals: list):
+        first = vals[0]
+        if isinstance(first, dict):
+            return {k: med([v.get(k) for v in vals]) for k in first}
+        nums = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if nums and len(nums) == len(vals):
+            return round(float(np.median(nums)), 4)
+        return first
+
+    out = {k: (v if k == "_ttft_all" else med([r.get(k) for r in rounds])) for k, v in rounds[0].items()}
+    out["_ttft_all"] = [x for r in rounds for x in r.get("_ttft_all", [])]
+    out["errors"] = sum(r.get("errors", 0) for r in rounds)  # a median would hide a round's failures
+    out["error_samples"] = [e for r in rounds for e in r.get("error_samples", [])][:3]
+    out["rounds"] = [{"ttft_ms": r["ttft_ms"], "hit_rate": r.get("hit_rate"), "req_per_s": r.get("req_per_s"),
+                      "loadavg_end": r.get("loadavg_end")} for r in rounds]
+    return out
+
+
+async def run_rounds(args, runs: list[tuple[str, str, dict]], workload: list[dict], num_gpu_blocks: int, tmp: Path,
+                     label: str) -> dict:
+    """Every run `args.repeats` times, round by round (so a slow spell of the shared box hits every policy in
+    its round, not one policy's all rounds); a fresh cluster each time."""
+    per: dict[str, list[dict]] = {name: [] for name, _, _ in runs}
+    for rnd in range(max(1, args.repeats)):
+        for name, pol, kv in runs:
+            tag = label if args.repeats <= 1 else f"{label} round {rnd + 1}/{args.repeats}"
+            per[name].append(await run_policy(args, pol, workload, num_gpu_blocks, tmp, tag, kv=kv))
+    return {name: median_run(rs) for name, rs in per.items()}
+
+
+def paired_ratios(runs: dict, a: str = "kv", b: str = "round-robin") -> list[float]:
+    """a's TTFT p90 over b's, round by round (the same round ran both back to back)."""
+    ra = runs[a].get("rounds") or [runs[a]]
+    rb = runs[b].get("rounds") or [runs[b]]
+    return [x["ttft_ms"]["p90"] / y["ttft_ms"]["p90"] for x, y in zip(ra, rb)]
 
 
 async def amain(args) -> dict:
@@ -597,13 +698,15 @@ async def amain(args) -> dict:
         if "unloaded" not in skip:
             light = [dict(w, max_tokens=1) for w in wl[: args.unloaded_requests]]
             tr["unloaded"] = await run_policy(args, "round-robin", light, args.num_gpu_blocks, tmp, "unloaded", sequential=True)
-        for name, pol, weight in run_list(args, args.policies):
-            tr["runs"][name] = await run_policy(args, pol, wl, args.num_gpu_blocks, tmp, "trace", overlap_weight=weight)
+        tr["runs"] = await run_rounds(args, run_list(args, args.policies), wl, args.num_gpu_blocks, tmp, "trace")
         runs = tr["runs"]
         if "round-robin" in runs and tr.get("unloaded"):
             tr["rr_p90_over_unloaded"] = runs["round-robin"]["ttft_ms"]["p90"] / tr["unloaded"]["ttft_ms"]["p90"]
         if "round-robin" in runs and "kv" in runs:
-            tr["kv_over_rr_p90"] = runs["kv"]["ttft_ms"]["p90"] / runs["round-robin"]["ttft_ms"]["p90"]
+            ratios = paired_ratios(runs)
+            tr["kv_over_rr_p90"] = float(np.median(ratios))  # one round: the plain ratio
+            if len(ratios) > 1:
+                tr["kv_over_rr_p90_rounds"] = [round(x, 4) for x in ratios]
             tr["kv_hit_over_oracle_pct"] = 100 * runs["kv"]["hit_rate"] / tr["oracle"]["hit_rate"]
             tr["kv_hit_over_bound_pct"] = 100 * runs["kv"]["hit_rate"] / tr["fleet_bound"]["hit_rate"]
     if "shared" not in skip:
@@ -616,8 +719,7 @@ async def amain(args) -> dict:
                          "prefixes_per_fleet": cap * args.workers / args.sp_prefix_tokens},
               **cache_references(wl, args, args.sp_num_gpu_blocks), "runs": {}}
         out["shared_prefix"] = sp
-        for name, pol, weight in run_list(args, args.sp_policies):
-            sp["runs"][name] = await run_policy(args, pol, wl, args.sp_num_gpu_blocks, tmp, "shared", overlap_weight=weight)
+        sp["runs"] = await run_rounds(args, run_list(args, args.sp_policies), wl, args.sp_num_gpu_blocks, tmp, "shared")
     out["loadavg"]["end"] = round(os.getloadavg()[0], 2)
     return out
 

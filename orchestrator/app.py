@@ -75,7 +75,8 @@ def make_guards(cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> 
 def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastAPI:
     discovery = discovery or make_discovery(cfg)
     metrics = FrontendMetrics()
-    params = {"overlap_weight": cfg.kv_overlap_weight, "temperature": cfg.router_temperature} if cfg.policy == "kv" else {}
+    params = ({"overlap_weight": cfg.kv_overlap_weight, "reuse_weight": cfg.kv_reuse_weight, "temperature": cfg.router_temperature}
+              if cfg.policy == "kv" else {})
     router = Router(build_policy(cfg.policy, **params))
     ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor)

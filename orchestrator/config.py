@@ -23,6 +23,9 @@ class DisaggConfig(BaseModel):
     queue_threshold: float = Field(4.0, gt=0)  # local when prefill active tokens > this x max_num_batched_tokens
     max_num_batched_tokens: int = Field(8192, gt=0)  # the prefill engines' token budget per step
     prefill_timeout_s: float = Field(30.0, gt=0)  # longest wait for the prefill hand-off before falling back
+    # a decode engine that answers 5xx to a hand-off (vLLM: its KV load failed, e.g. NIXL's 5 s first handshake on a busy
+    # host) gets the whole hand-off again, with a fresh prefill, this many times before the aggregated fallback (or 503)
+    handoff_retries: int = Field(1, ge=0, le=3)
     decode_overlap_weight: float = Field(0.0, ge=0)  # decode routing: kv cost prefill weight (Dynamo: 0)
 
 
@@ -31,10 +34,19 @@ class FrontendConfig(BaseModel):
     port: int = 8000
     grpc_port: int = Field(0, ge=0, le=65535)  # KServe v2 gRPC endpoint; 0: off (the CLI defaults it to 8001)
     policy: str = "kv"  # kv | least-loaded | round-robin | random
-    # kv: weight of uncached prefill blocks against decode blocks. 4, not Dynamo's 1: swept 0.5-8 in
-    # benchmarks/results/routing_sweep.md, 4 lifts shared-prefix hits from 71.5% to 77.3% (95.6% of the fleet
-    # bound) with TTFT unchanged within noise, and leaves the Mooncake trace's hits and TTFT p90 unchanged.
-    kv_overlap_weight: float = Field(4.0, ge=0)
+    # kv: weight of uncached prefill blocks against decode blocks (Dynamo: 1). With the reuse credit below it sets how
+    # much decode load a cache hit outweighs (with reuse 1 it scaled both sides of the prefill term, and 1-8 moved
+    # nothing: routing_sweep.md). 8, measured with reuse 16 in benchmarks/results/routing_overlap_sweep*.md: Mooncake
+    # trace at 59k blocks hits 15.2% / 15.6% / 15.8% (92.5 / 95.0 / 96.2% of the fleet bound) and TTFT p90 842 / 790 /
+    # 786 ms for 4 / 8 / 16; at 16k blocks and on shared prefixes all equal within noise. 16 would pile a hot prefix
+    # whose copies the index never learns onto its holder (46 of 64 requests; 8: 36; test_kv_policy.py).
+    kv_overlap_weight: float = Field(8.0, ge=0)
+    # kv: how many tokens of a worker's pending prefill one prompt token cached there is worth (the credit stops at
+    # an empty prefill queue, so it never outweighs decode load). 1 is Dynamo's TTFT-greedy trade; 16, measured in
+    # benchmarks/results/routing_reuse.md: on the Mooncake trace (59k blocks) hits 11.9% -> 15.2% (73% -> 93% of the
+    # fleet bound), on shared prefixes 76.8% -> 79.3% (95% -> 98%), TTFT equal within run-to-run noise. A prefix
+    # recomputed elsewhere costs the fleet that compute again, which the greedy trade ignores.
+    kv_reuse_weight: float = Field(16.0, ge=0)
     router_temperature: float = Field(0.0, ge=0)  # kv: 0 = argmin of the cost, > 0 = softmax sampling
     redis_url: str | None = None  # None -> in-memory discovery (embedded default)
     discovery_prefix: str = "kvyard"

@@ -28,6 +28,9 @@ class FrontendMetrics:
         self.kv_hit_rate = Histogram("kvyard_router_kv_hit_rate", "Share of the prompt cached on the chosen worker (predicted)",
                                      ["model"], buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0), registry=r)
         self.overlap_blocks = Counter("kvyard_router_overlap_blocks", "Prompt blocks found cached on the chosen worker", ["model"], registry=r)
+        self.best_overlap_blocks = Counter(
+            "kvyard_router_best_overlap_blocks", "Prompt blocks cached on the worker holding most of the prompt, chosen or not "
+            "(minus kvyard_router_overlap_blocks: the cache affinity given up to balance load)", ["model"], registry=r)
         self.prompt_blocks = Counter("kvyard_router_prompt_blocks", "Full prompt blocks routed", ["model"], registry=r)
         self.retries = Counter("kvyard_engine_retries", "Requests re-sent to another engine before streaming", ["model"], registry=r)
         self.workers = Gauge("kvyard_workers", "Live workers by model and state", ["model", "state"], registry=r)

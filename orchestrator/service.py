@@ -292,6 +292,8 @@ class InferenceService:
         if ids and ep.block_size:
             overlap = decision.overlap_of(ep)
             self.metrics.overlap_blocks.labels(req.model).inc(overlap)
+            if decision.overlap_blocks:
+                self.metrics.best_overlap_blocks.labels(req.model).inc(max(decision.overlap_blocks.values()))
             self.metrics.prompt_blocks.labels(req.model).inc(len(ids) // ep.block_size)
             self.metrics.kv_hit_rate.labels(req.model).observe(min(1.0, overlap * ep.block_size / len(ids)))
         return d

@@ -8,7 +8,7 @@
           active = mask(keys[0]); for k >= 1: kept = mask(keys[k]) & active; where kept != active
           the workers in active & ~kept matched exactly k blocks -> (k, active & ~kept); stop when
           nothing is active; workers active after the last key matched all: (len(keys), active).
-    kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight) -> {worker_id: score}
+    kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0) -> {worker_id: score}
           the kv cost scorer (formula in router/plugins/kv.py), bit-identical floats in both.
     rank_by_score(scores, endpoints, r) -> endpoints, highest score first (missing: 0.0), ties in
           input order, except that the leaders tied for first are rotated by r % their count.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["IMPLEMENTATION", "MaskTable", "PyMaskTable", "kv_scores", "merge_loads", "py_kv_scores", "py_merge_loads", "py_rank_by_score",
+__all__ = ["IMPLEMENTATION", "MaskTable", "PyMaskTable", "kv_scores", "merge_loads", "py_kv_logits", "py_kv_scores", "py_merge_loads", "py_rank_by_score",
            "rank_by_score"]
 
 
@@ -84,7 +84,9 @@ class PyMaskTable:
         return out
 
 
-def py_kv_scores(endpoints, overlaps: dict[str, int], isl: int, hashed_block_size: int, overlap_weight: float) -> dict[str, float]:
+def py_kv_logits(endpoints, overlaps: dict[str, int], isl: int, hashed_block_size: int, overlap_weight: float,
+                 reuse_weight: float = 1.0) -> list[float]:
+    """logit(w) per endpoint, in endpoint order (lower is better): the cost of router/plugins/kv.py."""
     logits = []
     for ep in endpoints:
         bs = ep.block_size
@@ -92,7 +94,18 @@ def py_kv_scores(endpoints, overlaps: dict[str, int], isl: int, hashed_block_siz
             raise ValueError("endpoint block_size must be positive")
         ov = overlaps.get(ep.worker_id, 0) if overlaps and bs == hashed_block_size else 0
         ld = ep.load
-        logits.append(overlap_weight * (isl - ov * bs + ld.prefill_tokens) / bs + (-(-isl // bs) - ov + ld.active_blocks))
+        pf = ld.prefill_tokens
+        credit = (reuse_weight - 1.0) * (ov * bs)
+        pfe = pf - credit
+        if credit > 0 and pfe < 0:
+            pfe = pf if pf < 0 else 0.0
+        logits.append(overlap_weight * ((isl - ov * bs) + pfe) / bs + (-(-isl // bs) - ov + ld.active_blocks))
+    return logits
+
+
+def py_kv_scores(endpoints, overlaps: dict[str, int], isl: int, hashed_block_size: int, overlap_weight: float,
+                 reuse_weight: float = 1.0) -> dict[str, float]:
+    logits = py_kv_logits(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight)
     hi = max(logits)
     span = hi - min(logits)
     wids = [ep.worker_id for ep in endpoints]

@@ -23,7 +23,7 @@
  *           the workers in active & ~kept matched exactly k blocks -> (k, active & ~kept); stops when
  *           nothing is active; the workers active after the last key matched all: (len(keys), active).
  *
- *   kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight) -> {worker_id: score}
+ *   kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0) -> {worker_id: score}
  *       Dynamo's routing cost per endpoint, normalised to [0, 1]; the formula is in
  *       router/plugins/kv.py, whose Python version gives bit-identical floats.
  *   rank_by_score(scores, endpoints, r) -> endpoints, highest score first (missing: 0.0), ties in
@@ -780,8 +780,8 @@ kv_scores(PyObject *self, PyObject *args)
 {
     PyObject *endpoints, *overlaps;
     long long isl, hashed;
-    double weight;
-    if (!PyArg_ParseTuple(args, "O!O!LLd", &PyList_Type, &endpoints, &PyDict_Type, &overlaps, &isl, &hashed, &weight))
+    double weight, reuse = 1.0;
+    if (!PyArg_ParseTuple(args, "O!O!LLd|d", &PyList_Type, &endpoints, &PyDict_Type, &overlaps, &isl, &hashed, &weight, &reuse))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(endpoints);
     double stackl[128];
@@ -829,7 +829,12 @@ kv_scores(PyObject *self, PyObject *args)
         Py_CLEAR(pfo);
         Py_CLEAR(abo);
         long long nb = (isl + bs - 1) / bs;
-        logit[k] = weight * ((double)(isl - ov * bs) + pf) / (double)bs + ((double)(nb - ov) + ab);
+        /* reuse credit: each cached token offsets (reuse - 1) tokens of this worker's pending prefill, down to
+           none pending; it never outweighs decode load (router/plugins/kv.py) */
+        double credit = (reuse - 1.0) * (double)(ov * bs), pfe = pf - credit;
+        if (credit > 0 && pfe < 0)
+            pfe = pf < 0 ? pf : 0.0;
+        logit[k] = weight * ((double)(isl - ov * bs) + pfe) / (double)bs + ((double)(nb - ov) + ab);
     }
     double lo = 0, hi = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -968,7 +973,7 @@ static PyMethodDef methods[] = {
     {"rank_by_score", rank_by_score, METH_VARARGS,
      "rank_by_score(scores, endpoints, r) -> endpoints by score, highest first; the tied leaders rotated by r % ties"},
     {"kv_scores", kv_scores, METH_VARARGS,
-     "kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight) -> {worker_id: score in [0, 1]}"},
+     "kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0) -> {worker_id: score in [0, 1]}"},
     {NULL, NULL, 0, NULL},
 };
 

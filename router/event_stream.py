@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from router.errors import KvEventRejected
 from router.kv_index import KvIndex
-from workers.kv_events import KvEventBatch
+from workers.kv_events import BlockRemoved, BlockStored, KvEventBatch
 
 __all__ = ["EventStream", "Replay", "StreamStats"]
 
@@ -49,6 +49,8 @@ class StreamStats:
     replays: int = 0
     purges: int = 0
     restarts: int = 0
+    blocks_stored: int = 0  # blocks named by applied BlockStored events (GPU medium or not)
+    blocks_removed: int = 0  # ... and by BlockRemoved: the engine's evictions
 
 
 class EventStream:
@@ -131,6 +133,11 @@ class EventStream:
             self.stats.undecodable += 1
             return
         self.stats.events += len(batch.events)
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self.stats.blocks_stored += len(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.stats.blocks_removed += len(ev.block_hashes)
         rejected = self.index.apply_batch(self.worker_id, batch.events)
         if rejected:
             self.stats.rejected += len(rejected)

@@ -6,7 +6,7 @@
     least-loaded       load (1.0)           max-score (random tie-break)   -
     kv                 kv cost (1.0)        max-score, or softmax(T > 0)   KvIndex
 
-kv parameters: overlap_weight (1.0), temperature (0.0), index (a KvIndex to share, e.g. with the
+kv parameters: overlap_weight (1.0), reuse_weight (1.0), temperature (0.0), index (a KvIndex to share, e.g. with the
 event ingestor; a new one by default), seed (picker RNG, for tests). Factories are the single
 table of names.
 """
@@ -32,9 +32,10 @@ class Policy:
     index: KvIndex | None = None  # set when the policy routes on cached prefixes
 
 
-def _kv(overlap_weight: float = 1.0, temperature: float = 0.0, index: KvIndex | None = None, seed: int | None = None) -> Policy:
+def _kv(overlap_weight: float = 1.0, temperature: float = 0.0, index: KvIndex | None = None, seed: int | None = None,
+        reuse_weight: float = 1.0) -> Policy:
     picker = SoftmaxPicker(temperature, seed) if temperature > 0 else MaxScorePicker(seed)
-    return Policy("kv", picker, [(KvCostScorer(overlap_weight), 1.0)], index if index is not None else KvIndex())
+    return Policy("kv", picker, [(KvCostScorer(overlap_weight, reuse_weight), 1.0)], index if index is not None else KvIndex())
 
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {

@@ -75,6 +75,20 @@ async def test_shared_prefix_goes_where_it_is_cached(stack):
     assert gained >= 12 * 1900  # each follow-up reused (almost) its whole ~2k-token prefix
     text = (await client.get(url + "/metrics")).text
     assert "kvyard_router_kv_hit_rate_bucket" in text
+    chosen_blocks, best_blocks = router_blocks(text)
+    assert chosen_blocks == best_blocks >= 12 * 1900 // 16  # every follow-up went to the best holder: no affinity given up
+    events = (await client.get(url + "/api/cluster")).json()["kv"]["events"]
+    assert sum(s["blocks_stored"] for s in events.values()) >= 4 * 1900 // 16
+
+
+def router_blocks(metrics_text: str) -> tuple[float, float]:
+    """(blocks predicted cached on the chosen workers, on the best-holding workers), summed over models."""
+    m = {name: 0.0 for name in ("overlap", "best_overlap")}
+    for line in metrics_text.splitlines():
+        for name in m:
+            if line.startswith(f"kvyard_router_{name}_blocks_total{{"):
+                m[name] += float(line.rsplit(" ", 1)[1])
+    return m["overlap"], m["best_overlap"]
 
 
 async def test_hot_prefix_spreads_under_load(stack):
@@ -87,3 +101,5 @@ async def test_hot_prefix_spreads_under_load(stack):
     counts = Counter(r.headers["x-kvyard-worker"] for r in rs)
     assert all(r.status_code == 200 for r in rs)
     assert len(counts) >= 2, counts  # not everything on the one worker holding the prefix
+    chosen_blocks, best_blocks = router_blocks((await client.get(url + "/metrics")).text)
+    assert best_blocks > chosen_blocks  # the spread shows as affinity given up for load

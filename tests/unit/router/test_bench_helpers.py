@@ -107,3 +107,31 @@ def test_agreement_within_tolerance():
     bad = agreement(a, {"ttft_ms": {"p50": 120.0, "p90": 200.0}}, 0.15)
     assert not bad["agree"] and bad["ttft_p50_ratio"] == 1.2
     assert not agreement(a, {"ttft_ms": {"p50": None, "p90": 200.0}}, 0.15)["agree"]
+
+
+def _run(p90: float, hit: float, errors: int = 0) -> dict:
+    return {"ttft_ms": {"p50": p90 / 2, "p90": p90, "p99": p90 * 2, "mean": p90 / 2}, "hit_rate": hit, "errors": errors,
+            "error_samples": ["boom"] * errors, "policy": "kv", "generation_tokens_per_worker": [1, 2], "_ttft_all": [p90]}
+
+
+def test_median_run_takes_each_number_s_median_and_sums_errors():
+    from benchmarks.routing import median_run
+
+    one = _run(100, 0.1)
+    assert median_run([one]) is one  # a single round is reported as it is
+    m = median_run([_run(300, 0.10), _run(100, 0.30, errors=1), _run(200, 0.20)])
+    assert m["ttft_ms"] == {"p50": 100, "p90": 200, "p99": 400, "mean": 100}
+    assert m["hit_rate"] == 0.2 and m["policy"] == "kv" and m["generation_tokens_per_worker"] == [1, 2]
+    assert m["errors"] == 1 and m["error_samples"] == ["boom"]
+    assert sorted(m["_ttft_all"]) == [100, 200, 300]
+    assert [r["ttft_ms"]["p90"] for r in m["rounds"]] == [300, 100, 200]
+
+
+def test_paired_ratios_divide_within_each_round():
+    from benchmarks.routing import median_run, paired_ratios
+
+    runs = {"kv": median_run([_run(100, 0.1), _run(300, 0.1)]),
+            "round-robin": median_run([_run(400, 0.05), _run(600, 0.05)])}
+    assert paired_ratios(runs) == [0.25, 0.5]  # not the ratio of the medians (200 / 500 = 0.4)
+    single = {"kv": _run(100, 0.1), "round-robin": _run(400, 0.05)}
+    assert paired_ratios(single) == [0.25]

@@ -6,7 +6,7 @@ import pytest
 
 from router import KvIndex, block_hashes
 from router.event_stream import EventStream, Replay
-from workers.kv_events import BlockStored, KvEventBatch
+from workers.kv_events import BlockRemoved, BlockStored, KvEventBatch
 
 BS = 2
 TOKENS = list(range(10, 40))  # 15 blocks
@@ -83,3 +83,12 @@ def test_bootstrap_then_live():
 
 def test_replay_type():
     assert Replay(2, 5) == Replay(start=2, upto=5)
+
+
+def test_stats_count_stored_and_removed_blocks():
+    ix = KvIndex()
+    s = EventStream("w", ix, True)
+    s.on_live(0, KvEventBatch(0, 0.0, [BlockStored([100, 101, 102], None, TOKENS[:3 * BS], BS)]))
+    s.on_live(1, KvEventBatch(1, 0.0, [BlockRemoved([102]), BlockRemoved([101, 100])]))
+    assert (s.stats.blocks_stored, s.stats.blocks_removed) == (3, 3)
+    assert ix.find_matches(H).get("w", 0) == 0
