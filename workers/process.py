@@ -65,15 +65,17 @@ class EngineProcess:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
             out = self._log_file
-        else:
-            out = subprocess.DEVNULL
+        else:  # no log file (`kvyard worker`): the engine writes where this process does (a container's log)
+            out = None
         self._proc = subprocess.Popen(
             spec.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=_die_with_parent,
         )
 
     def log_tail(self, n: int = 40) -> str:
-        if not self.log_path or not self.log_path.exists():
+        if not self.log_path:
+            return "(no log file: the engine's output is in this process's own output, above)"
+        if not self.log_path.exists():
             return "(no log)"
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-n:])

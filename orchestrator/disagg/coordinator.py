@@ -22,6 +22,11 @@ by the service as usual, so streaming, unary, HTTP and gRPC all work unchanged.
     failure -> a failed, slow (prefill_timeout_s) or lost prefill falls back to aggregated serving on
                the decode pool (SGLang: on `both` workers only, as a decode-mode SGLang engine cannot
                prefill alone), or is a clean 503 when enforce is set
+    decode  -> a decode engine that answers 5xx to the hand-off (after the service's own failover over
+    failure    the ranked decode workers; vLLM fails a request whose KV load failed, e.g. when NIXL's
+               first handshake misses its 5 s timeout) gets the whole hand-off again with a fresh
+               prefill (`handoff_retries`, default 1; a retry never reuses blocks that may be freed),
+               then the same fallback or 503 (reason decode_error)
 
 Blocks held by an abandoned hand-off: a prefill cancelled or timed out here is dropped on its
 connection, so the prefill engine aborts it and frees its blocks. vLLM: a decode request cancelled
@@ -57,7 +62,7 @@ if TYPE_CHECKING:  # the coordinator is handed the service; it never imports it 
     from orchestrator.pool import WorkerPool
     from orchestrator.service import InferenceService
 
-__all__ = ["DisaggCoordinator", "PrefillFailed", "BufferedResponse", "PROTOCOLS", "protocol_of"]
+__all__ = ["DisaggCoordinator", "PrefillFailed", "DecodeFailed", "BufferedResponse", "PROTOCOLS", "protocol_of"]
 
 log = logging.getLogger("kvyard.disagg")
 
@@ -76,6 +81,10 @@ class PrefillFailed(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+class DecodeFailed(Exception):
+    """The prefill's hand-off was sent on, and no decode engine served it (5xx or unreachable)."""
 
 
 class BufferedResponse:
@@ -184,17 +193,33 @@ class DisaggCoordinator:
             return await svc._send(rreq, decision.ranked, path, payload, stream)
         self.metrics.disagg_decisions.labels("remote", verdict.reason).inc()
         flow = {"vllm": self._vllm, "sglang": self._sglang, "trtllm": self._trtllm}[proto]
-        try:
-            return await flow(svc, call, p_ep)
-        except PrefillFailed as exc:
-            failed = exc
-            if breakers is not None and exc.reason != "prefill_bad_response":
-                breakers.failure(p_ep.worker_id, str(exc))
-        finally:
-            self.prefill_router.on_complete(rreq.request_id)  # every path: the prefill worker's book is closed
-        log.warning("prefill of %s on %s failed (%s); %s", rreq.request_id, p_ep.worker_id, failed,
-                    "enforce-disagg: 503" if self.cfg.enforce else "serving it aggregated")
-        return await self._aggregated(svc, call, payload, "fallback", failed.reason)
+        attempt = 0
+        while True:
+            try:
+                return await flow(svc, call, p_ep)
+            except PrefillFailed as exc:
+                failed: Exception = exc
+                reason = exc.reason
+                if breakers is not None and exc.reason != "prefill_bad_response":
+                    breakers.failure(p_ep.worker_id, str(exc))
+                break
+            except DecodeFailed as exc:
+                failed, reason = exc, "decode_error"
+                if attempt >= self.cfg.handoff_retries:
+                    break
+                attempt += 1
+                self.metrics.disagg_decisions.labels("retry", "decode_error").inc()
+                log.warning("decode of %s's hand-off failed (%s); hand-off retry %d of %d with a fresh prefill", rreq.request_id,
+                            exc, attempt, self.cfg.handoff_retries)
+            finally:
+                self.prefill_router.on_complete(rreq.request_id)  # every path: the prefill worker's book is closed
+            prefill_eps = [e for e in prefill_eps if breakers is None or breakers.allows(e.worker_id)] or prefill_eps
+            p_ep = self.prefill_router.route(rreq, prefill_eps).ranked[0]
+            svc.router.on_complete(rreq.request_id)  # the decode booking back on the first-ranked worker (its
+            svc.router.book(rreq, decision.ranked[0])  # failover may have moved it)
+        log.warning("%s of %s (prefill on %s) failed (%s); %s", "prefill" if reason != "decode_error" else "hand-off",
+                    rreq.request_id, p_ep.worker_id, failed, "enforce-disagg: 503" if self.cfg.enforce else "serving it aggregated")
+        return await self._aggregated(svc, call, payload, "fallback", reason)
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -211,14 +236,14 @@ class DisaggCoordinator:
         """Serve the request whole on the decode side, or 503 under enforce."""
         if self.cfg.enforce:
             self.metrics.disagg_decisions.labels("rejected", reason).inc()
-            raise ServiceUnavailableError(f"disaggregated prefill failed ({reason}) and disaggregation is enforced",
+            raise ServiceUnavailableError(f"the disaggregated hand-off failed ({reason}) and disaggregation is enforced",
                                           retry_after=svc.cfg.retry_after_s)
         self.metrics.disagg_decisions.labels(mode, reason).inc()
         ranked = call.decode.ranked
         if call.proto == "sglang":  # a decode-mode SGLang engine cannot prefill: only `both` workers serve whole requests
             both = [e for e in self.pool.endpoints(call.rreq.model, roles=("both",)) if self._proto(e) == "sglang"]
             if not both:
-                raise ServiceUnavailableError(f"the prefill failed ({reason}) and no SGLang worker serves whole requests",
+                raise ServiceUnavailableError(f"the hand-off failed ({reason}) and no SGLang worker serves whole requests",
                                               retry_after=svc.cfg.retry_after_s)
             ranked = self.decode_router.route(call.rreq, both).ranked  # re-books the request on the new worker
         return await svc._send(call.rreq, ranked, call.path, payload, call.stream)
@@ -249,6 +274,14 @@ class DisaggCoordinator:
         return status, content
 
     @staticmethod
+    async def _decode(svc: "InferenceService", call: _Call, ranked: list[Endpoint], payload: bytes):
+        """The decode leg of a hand-off: the service's send (failover over `ranked`); DecodeFailed when none served it."""
+        try:
+            return await svc._send(call.rreq, ranked, call.path, payload, call.stream)
+        except ServiceUnavailableError as exc:
+            raise DecodeFailed(str(exc)) from exc
+
+    @staticmethod
     def _json(status: int, content: bytes, ep: Endpoint) -> dict:
         if status >= 500:
             raise PrefillFailed("prefill_error", f"{ep.worker_id}: HTTP {status}")
@@ -275,7 +308,7 @@ class DisaggCoordinator:
             raise PrefillFailed("prefill_bad_response", f"{p_ep.worker_id}: {exc}") from exc
         self.prefill_router.on_complete(call.rreq.request_id)  # hand-off received: the prefill is done
         payload = json.dumps(vllm_handoff.decode_body(call.body, params)).encode()
-        return await svc._send(call.rreq, call.decode.ranked, call.path, payload, call.stream)
+        return await self._decode(svc, call, call.decode.ranked, payload)
 
     async def _trtllm(self, svc: "InferenceService", call: _Call, p_ep: Endpoint):
         ctx_body = trtllm_handoff.context_body(call.body, trtllm_handoff.new_disagg_request_id())
@@ -290,7 +323,7 @@ class DisaggCoordinator:
         except ValueError as exc:
             raise PrefillFailed("prefill_bad_response", f"{p_ep.worker_id}: {exc}") from exc
         self.prefill_router.on_complete(call.rreq.request_id)  # hand-off received: the prefill is done
-        return await svc._send(call.rreq, call.decode.ranked, call.path, json.dumps(gen_body).encode(), call.stream)
+        return await self._decode(svc, call, call.decode.ranked, json.dumps(gen_body).encode())
 
     async def _sglang(self, svc: "InferenceService", call: _Call, p_ep: Endpoint):
         live = self.pool.workers.get(p_ep.worker_id)
@@ -299,7 +332,7 @@ class DisaggCoordinator:
         payload = json.dumps(body).encode()
         prefill = asyncio.ensure_future(self._post_prefill(p_ep, call.path, body, call.rreq.request_id))
         # decode is paired with this prefill by the room: no failover to another decode worker
-        decode = asyncio.ensure_future(svc._send(call.rreq, call.decode.ranked[:1], call.path, payload, call.stream))
+        decode = asyncio.ensure_future(self._decode(svc, call, call.decode.ranked[:1], payload))
         try:
             status, content = await prefill  # both in flight; the decode engine waits on the room
             if 400 <= status < 500:  # the engine refused the request itself: the client's error, passed on as is

@@ -69,7 +69,7 @@ class Cluster:
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(self.tmp.glob("*.log")))
 
-    async def wait_ready(self, http: httpx.AsyncClient, url: str, timeout: float = 90.0) -> None:
+    async def wait_ready(self, http: httpx.AsyncClient, url: str, timeout: float = 180.0) -> None:  # 2 busy cores: a worker once took > 90 s to join
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

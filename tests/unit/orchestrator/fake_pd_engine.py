@@ -1,9 +1,9 @@
 """In-process fake engines speaking the three P/D hand-off protocols, for the disagg coordinator tests.
 
 Not a simulator (workers/sim is): each fake checks the hand-off fields the real engine checks
-(reference/engines.md §3-5), records every request it got, and scripts failures (an HTTP status,
-a slow prefill, a malformed answer). Prefill and decode fakes of one test share a `HandoffBook`,
-standing in for the engines' side channel (NIXL / bootstrap server / cache transceiver):
+(reference/engines.md §3-5), records every request it got, and scripts failures (an HTTP status
+for every request or the first few, a slow prefill, a malformed answer). Prefill and decode fakes
+of one test share a `HandoffBook`, standing in for the engines' side channel (NIXL / bootstrap server / cache transceiver):
 
     vllm    prefill holds blocks under (engine_id, request id) until decode reads them, or decode
             aborts and notifies prefill (vLLM's abort-notify path): both free them in `held`
@@ -45,9 +45,10 @@ def _err(status: int, msg: str) -> JSONResponse:
 class FakePDEngine(ThreadedEngine):
     def __init__(self, flavor: str, role: str, book: HandoffBook, tokens: int = 4, fail_status: int | None = None,
                  delay_s: float = 0.0, omit_handoff: bool = False, ctx_finish_reason: str = "length",
-                 token_delay_s: float = 0.005) -> None:
+                 token_delay_s: float = 0.005, fail_times: int | None = None) -> None:
         self.flavor, self.role, self.book = flavor, role, book
         self.tokens, self.fail_status, self.delay_s = tokens, fail_status, delay_s
+        self.fail_times = fail_times  # fail only the first this many requests (None: all)
         self.omit_handoff, self.ctx_finish_reason, self.token_delay_s = omit_handoff, ctx_finish_reason, token_delay_s
         self.requests: list[dict] = []
         self.cancelled = 0  # requests the client dropped while this engine was working on them
@@ -140,7 +141,8 @@ class FakePDEngine(ThreadedEngine):
         body = await request.json()
         self.requests.append({"body": body, "headers": dict(request.headers)})
         chat = request.url.path.endswith("chat/completions")
-        if self.fail_status:  # after delay_s: a prefill that fails while its decode is already waiting
+        if self.fail_status and (self.fail_times is None or len(self.requests) <= self.fail_times):
+            # after delay_s: a prefill that fails while its decode is already waiting
             if not await self._wait(request, self.delay_s):
                 return _err(499, "client gone")
             return _err(self.fail_status, "scripted failure")

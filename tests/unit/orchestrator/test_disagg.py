@@ -183,6 +183,70 @@ async def test_enforce_disagg_is_a_clean_503(stack):
         assert stack.books_closed()
 
 
+@pytest.mark.parametrize("flavor", ["vllm", "sglang", "trtllm"])
+async def test_failed_decode_gets_the_whole_handoff_again(stack, flavor):
+    """A decode engine that fails the hand-off once (real vLLM: its NIXL handshake missed the 5 s timeout on a
+    busy host, so the KV load failed) is not the client's 503: a fresh prefill, a fresh decode, once."""
+    book = HandoffBook()
+    with FakePDEngine(flavor, "prefill", book) as p, FakePDEngine(flavor, "decode", book, tokens=3, fail_status=500, fail_times=1) as d:
+        await stack.add(winfo("p", p.url, "prefill", flavor, bootstrap_port=9123), winfo("d", d.url, "decode", flavor))
+        r = await stack.client.post("/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 3, "stream": True})
+        assert r.status_code == 200, r.text
+        assert streamed_text(r.text, chat=False) == "xxx"
+        assert len(p.bodies) == len(d.bodies) == 2  # the hand-off twice, both legs
+        if flavor == "sglang":  # a new bootstrap room for the second try
+            assert p.bodies[0]["bootstrap_room"] != p.bodies[1]["bootstrap_room"] == d.bodies[1]["bootstrap_room"]
+        elif flavor == "trtllm":  # a new context, and the generation names it
+            ids = [b["disaggregated_params"]["disagg_request_id"] for b in p.bodies]
+            assert ids[0] != ids[1] == d.bodies[1]["disaggregated_params"]["disagg_request_id"]
+        else:
+            assert "kv_transfer_params" in d.bodies[1]
+        assert stack.decisions("retry", "decode_error") == 1
+        assert stack.decisions("fallback", "decode_error") == 0
+        assert stack.books_closed()
+
+
+async def test_decode_failing_every_handoff_falls_back_to_aggregated(stack):
+    book = HandoffBook()
+    with FakePDEngine("vllm", "prefill", book) as p, FakePDEngine("vllm", "decode", book, tokens=2, fail_status=500, fail_times=2) as d:
+        await stack.add(winfo("p", p.url, "prefill", "vllm"), winfo("d", d.url, "decode", "vllm"))
+        body = {"model": "m", "prompt": LONG, "max_tokens": 2}
+        r = await stack.client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "xx"
+        assert len(p.bodies) == 2 and len(d.bodies) == 3  # two hand-offs (one retry), then the whole request on decode
+        assert [("kv_transfer_params" in b) for b in d.bodies] == [True, True, False]
+        assert stack.decisions("retry", "decode_error") == 1
+        assert stack.decisions("fallback", "decode_error") == 1
+        assert stack.books_closed()
+
+
+@pytest.mark.parametrize("stack", [DisaggConfig(enforce=True)], indirect=True)
+async def test_enforce_disagg_decode_failure_is_a_clean_503(stack):
+    book = HandoffBook()
+    with FakePDEngine("vllm", "prefill", book) as p, FakePDEngine("vllm", "decode", book, fail_status=500) as d:
+        await stack.add(winfo("p", p.url, "prefill", "vllm"), winfo("d", d.url, "decode", "vllm"))
+        r = await stack.client.post("/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and "decode_error" in err["message"]
+        assert len(p.bodies) == len(d.bodies) == 2  # the retry, and never served aggregated
+        assert stack.decisions("rejected", "decode_error") == 1
+        assert stack.books_closed()
+
+
+@pytest.mark.parametrize("stack", [DisaggConfig(handoff_retries=0)], indirect=True)
+async def test_handoff_retries_zero_falls_back_at_once(stack):
+    book = HandoffBook()
+    with FakePDEngine("vllm", "prefill", book) as p, FakePDEngine("vllm", "decode", book, tokens=2, fail_status=500, fail_times=1) as d:
+        await stack.add(winfo("p", p.url, "prefill", "vllm"), winfo("d", d.url, "decode", "vllm"))
+        r = await stack.client.post("/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert len(p.bodies) == 1 and [("kv_transfer_params" in b) for b in d.bodies] == [True, False]
+        assert stack.decisions("retry", "decode_error") == 0 and stack.decisions("fallback", "decode_error") == 1
+        assert stack.books_closed()
+
+
 async def test_vllm_client_cancel_mid_stream_reaches_decode_which_frees_prefill_blocks(stack):
     book = HandoffBook()
     with FakePDEngine("vllm", "prefill", book) as p, FakePDEngine("vllm", "decode", book, tokens=200, token_delay_s=0.02) as d:
