@@ -10,8 +10,9 @@ of --cache-blocks — are the Mooncake conversation trace's):
               bodies drawn at random from the trace, prefix hits as in a warm replay of it
     mooncake  the trace's own arrival times divided by `--mooncake-speed` (5: ~17 req/s for ~12 min)
 Policies: planner (kvyard), static at the oracle's peak, keda (queue threshold 5), oracle (see
-planner_policies.py). SLA: a minute meets it when its TTFT p90 <= --ttft and its token-weighted ITL p90
-<= --itl. Output: results/planner_sim.json and results/planner_sim_<workload>.png.
+planner_policies.py), and late-oracle:h (the oracle's per-minute counts one minute late, × headroom h,
+ready at once: more than a reactive planner knows, a reference for what reacting can reach, not a proof).
+SLA: a minute meets it when its TTFT p90 <= --ttft and its token-weighted ITL p90 <= --itl. Output: results/planner_sim.json and results/planner_sim_<workload>.png.
 """
 
 from __future__ import annotations
@@ -133,6 +134,14 @@ async def run_policy(name: str, reqs: Requests, perf, args, schedule: list[tuple
             before = sim.replicas()
             sim.scale(p, d, startup_s=0.0)
             sim.gpu_s += args.startup * (max(0, p - before[0]) + max(0, d - before[1]))  # started early, billed
+        elif name.startswith("late-oracle") and schedule:
+            # the oracle's own counts one minute late, times a headroom: a generous reference for reacting
+            h = float(name.split(":", 1)[1]) if ":" in name else 1.0
+            prev = schedule[max(0, m - 1)]
+            p, d = (min(cap, math.ceil(h * n - 1e-9)) for n, cap in zip(prev, (args.pmax, args.dmax)))
+            before = sim.replicas()
+            sim.scale(p, d, startup_s=0.0)
+            sim.gpu_s += args.startup * (max(0, p - before[0]) + max(0, d - before[1]))  # ready at once, start-up billed
         elif name == "static" and schedule:
             sim.scale(*schedule[0], startup_s=0.0)
         for _ in range(per_min):
@@ -201,9 +210,13 @@ async def bench(workload: str, rows: list[dict], perf, args) -> dict:
     schedule = [(r["prefill"], r["decode"]) for r in need["per_minute"]]
     results["oracle"] = await run_policy("oracle", reqs, perf, args, schedule=schedule, start=schedule[0])
     results["oracle"]["search_wall_s"] = need["wall_s"]
+    results["oracle"]["need"] = schedule  # pass 1's counts per minute (before the keep-through-a-dip pass)
     first = (results["oracle"]["per_minute"][0]["prefill"], results["oracle"]["per_minute"][0]["decode"])
     peak = (max(r["prefill"] for r in results["oracle"]["per_minute"]), max(r["decode"] for r in results["oracle"]["per_minute"]))
     results["static"] = await run_policy("static", reqs, perf, args, schedule=[peak], start=peak)
+    for h in filter(None, args.late_oracle.split(",")):
+        results[f"late-oracle:{float(h):g}"] = await run_policy(f"late-oracle:{float(h):g}", reqs, perf, args,
+                                                               schedule=schedule, start=schedule[0])
     results["keda"] = await run_policy("keda", reqs, perf, args, start=first)
     results["planner"] = await run_policy("planner", reqs, perf, args, start=first)
     for v in filter(None, args.variants.split(",")):
@@ -248,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--variants", default="before,kalman,peak_trend+prefill_queue", help=f"comma-separated planner variants run beside it: {', '.join(VARIANTS)}")
+    ap.add_argument("--late-oracle", default="1,1.15,1.3,1.6",
+                    help="headrooms h: also run the oracle's per-minute counts one minute late × h (ready at once, "
+                         "start-up billed): a generous reference for a planner that only reacts; empty to skip")
     ap.add_argument("--only", default="", help="comma-separated policies to run alone (tuning; no oracle, no plot)")
     ap.add_argument("--start", type=int, nargs=2, default=None, help="with --only: initial prefill decode replicas")
     args = ap.parse_args(argv)

@@ -53,3 +53,23 @@ def test_overload_shows_in_ttft():
 def test_prefix_cache_hits_leading_blocks_only():
     got = cached_tokens([1024, 1024, 1024], [[1, 2], [1, 3], [4, 2]], capacity_blocks=10)
     assert got.tolist() == [0, 512, 0]
+
+
+def test_late_oracle_applies_the_previous_minute_s_counts_times_its_headroom():
+    import asyncio
+    from types import SimpleNamespace
+
+    from benchmarks.planner_sim import run_policy
+
+    args = SimpleNamespace(slice=0.25, startup=60.0, pmax=32, dmax=32, ttft=1000.0, itl=50.0)
+    r = reqs(4 * 60, 1.0)  # one request a second for four minutes
+    schedule = [(1, 1), (4, 2), (2, 1), (3, 3)]
+    out = asyncio.run(run_policy("late-oracle:1.5", r, toy_perf(), args, schedule=schedule, start=(1, 1)))
+    got = [(m["prefill"], m["decode"]) for m in out["per_minute"]]
+    # minute m runs ceil(1.5 x the oracle's counts for m - 1) (minute 0: its own); capped at pmax/dmax
+    assert got[:4] == [(2, 2), (2, 2), (6, 3), (3, 2)]
+    # replicas added are ready at once, but each one's start-up is billed, as the oracle's (a scale-down here
+    # drains within the slice: the requests are short)
+    on = sum(60.0 * (p + d) for p, d in got)
+    added = (2 - 1) + (2 - 1) + (6 - 2) + (3 - 2)
+    assert out["gpu_seconds"] == pytest.approx(on + 60.0 * added)
