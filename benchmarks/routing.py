@@ -317,22 +317,29 @@ class Cluster:
         self.log = tmp / f"up-{tag}.log"
         self.proc: subprocess.Popen | None = None
 
+    start_timeout_s = 120.0
+
+    def ready_ports(self, cluster: dict) -> list[int] | None:
+        """From /api/cluster: the engine ports to read counters from once every worker is ready, else None.
+        The launcher moves an engine to the next free port when its own is still taken (a previous run's engine
+        not yet gone): read where each one listens instead of assuming base_port + i."""
+        ready = [w for w in cluster["workers"] if w["state"] == "ready" and w["running"] is not None]
+        if len(ready) == self.args.workers and cluster["policy"] == self.policy:
+            return sorted(httpx.URL(w["url"]).port for w in ready)
+        return None
+
     async def __aenter__(self) -> "Cluster":
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + self.start_timeout_s
         async with httpx.AsyncClient(timeout=5) as c:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"kvyard up exited: {self.log.read_text()[-2000:]}")
                 try:
-                    r = await c.get(f"http://127.0.0.1:{self.args.port}/api/cluster")
-                    d = r.json()
-                    ready = [w for w in d["workers"] if w["state"] == "ready" and w["running"] is not None]
-                    if len(ready) == self.args.workers and d["policy"] == self.policy:
-                        # the launcher moves an engine to the next free port when its own is still taken (a previous
-                        # run's engine not yet gone): read where each one listens instead of assuming base_port + i
-                        self.ports = sorted(httpx.URL(w["url"]).port for w in ready)
+                    ports = self.ready_ports((await c.get(f"http://127.0.0.1:{self.args.port}/api/cluster")).json())
+                    if ports is not None:
+                        self.ports = ports
                         await asyncio.sleep(1.0)
                         return self
                 except (httpx.HTTPError, ValueError, KeyError):

@@ -82,7 +82,8 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor)
     service = InferenceService(cfg, pool, router, metrics)
     # disaggregated prefill/decode for models with prefill or decode workers (orchestrator/disagg)
-    service.disagg = DisaggCoordinator(cfg.disagg, pool, router, metrics, service.client, cfg.kv_overlap_weight)
+    prefill_reuse = cfg.kv_reuse_weight if cfg.disagg.prefill_reuse_weight is None else cfg.disagg.prefill_reuse_weight
+    service.disagg = DisaggCoordinator(cfg.disagg, pool, router, metrics, service.client, cfg.kv_overlap_weight, prefill_reuse)
     telemetry_store = make_telemetry_store(cfg.redis_url, cfg.discovery_prefix)
     targets = RedisTargetsStore(cfg.redis_url, cfg.discovery_prefix) if cfg.redis_url else InMemoryTargetsStore()
     if cfg.telemetry:

@@ -27,6 +27,9 @@ class DisaggConfig(BaseModel):
     # host) gets the whole hand-off again, with a fresh prefill, this many times before the aggregated fallback (or 503)
     handoff_retries: int = Field(1, ge=0, le=3)
     decode_overlap_weight: float = Field(0.0, ge=0)  # decode routing: kv cost prefill weight (Dynamo: 0)
+    # prefill routing: the kv cost's reuse credit (router/plugins/kv.py); None: the frontend's kv_reuse_weight. The
+    # prefill pool is where a recomputed prefix costs compute; A/B in benchmarks/results/routing_disagg.md
+    prefill_reuse_weight: float | None = Field(None, ge=0)
 
 
 class FrontendConfig(BaseModel):

@@ -141,7 +141,7 @@ class _Call:
 
 class DisaggCoordinator:
     def __init__(self, cfg: DisaggConfig, pool: "WorkerPool", router: Router, metrics: FrontendMetrics, client: EngineClient,
-                 prefill_overlap_weight: float = 1.0) -> None:
+                 prefill_overlap_weight: float = 1.0, prefill_reuse_weight: float = 1.0) -> None:
         self.cfg = cfg
         self.pool = pool
         self.metrics = metrics
@@ -150,7 +150,8 @@ class DisaggCoordinator:
         # its load book, which the service closes (first token, completion) on every path.
         index = router.kv_index
         self.decode_router = Router(build_policy("kv", overlap_weight=cfg.decode_overlap_weight, index=index), load=router.loads)
-        self.prefill_router = Router(build_policy("kv", overlap_weight=prefill_overlap_weight, index=index))
+        self.prefill_router = Router(build_policy("kv", overlap_weight=prefill_overlap_weight, reuse_weight=prefill_reuse_weight,
+                                                  index=index))
         pool.on_worker_left.append(self.prefill_router.loads.remove_worker)
 
     # ---- the two calls the service makes ---------------------------------------------------------

@@ -519,3 +519,14 @@ async def test_sglang_decode_never_prefills_locally(stack):
             assert (await stack.client.post("/v1/completions", json=body)).status_code == 200
         assert len(p.bodies) == 2 and all("bootstrap_room" in b for b in d.bodies)
         assert stack.decisions("remote", "decode_cannot_prefill") == 1
+
+
+def test_prefill_router_takes_the_frontends_reuse_credit_unless_set():
+    """The prefill pool routes on the aggregated router's cost (overlap weight, reuse credit) unless
+    disagg.prefill_reuse_weight says otherwise (benchmarks/results/routing_disagg.md measures both)."""
+    for disagg, want in ((DisaggConfig(), 16.0), (DisaggConfig(prefill_reuse_weight=1), 1.0), (DisaggConfig(prefill_reuse_weight=0), 0.0)):
+        app = create_app(FrontendConfig(kv_overlap_weight=8, kv_reuse_weight=16, disagg=disagg), InMemoryDiscovery())
+        scorer, _ = app.state.service.disagg.prefill_router.policy.scorers[0]
+        assert (scorer.overlap_weight, scorer.reuse_weight) == (8.0, want)
+    with pytest.raises(ValueError):
+        DisaggConfig(prefill_reuse_weight=-1)

@@ -135,3 +135,12 @@ def test_paired_ratios_divide_within_each_round():
     assert paired_ratios(runs) == [0.25, 0.5]  # not the ratio of the medians (200 / 500 = 0.4)
     single = {"kv": _run(100, 0.1), "round-robin": _run(400, 0.05)}
     assert paired_ratios(single) == [0.25]
+
+
+def test_routing_disagg_reads_disagg_decisions_by_mode():
+    from benchmarks.routing_disagg import disagg_decisions
+    text = "\n".join(['# HELP kvyard_disagg_decisions_total x', 'kvyard_disagg_decisions_total{mode="remote",reason="always"} 40.0',
+                      'kvyard_disagg_decisions_total{mode="retry",reason="decode_error"} 1.0',
+                      'kvyard_disagg_decisions_total{mode="fallback",reason="decode_error"} 2.0',
+                      'kvyard_disagg_decisions_total{mode="remote",reason="isl"} 2.0', 'kvyard_disagg_created 1.7e9'])
+    assert disagg_decisions(text) == {"remote": 42.0, "retry": 1.0, "fallback": 2.0}
