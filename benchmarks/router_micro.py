@@ -16,11 +16,19 @@ BlockRemoved of a quarter of them, the apply rate for 1, 16 and 128 blocks per e
 decode + apply of the same events from vLLM's and SGLang's msgpack wire bytes (the decoders are
 the backends' own: workers/vllm, workers/sglang).
 
-    .venv/bin/python benchmarks/router_micro.py [--queries 2000] [--rounds 5] [--cpu 0]
+Then the same events and prompts go to NVIDIA Dynamo's Python RadixTree (`dynamo._core`, ai-dynamo-runtime
+1.6.1): benchmarks/dynamo_radix_micro.py runs under Dynamo's venv on the same core, from a job file written
+here (events, query-setup stores, prompts, and the overlaps kvyard's index reports for each prompt, which
+Dynamo's find_matches must reproduce). Its figures go under `dynamo`, the ratios under `side_by_side`.
+Dynamo's binding hands every call to a Rust background thread, so its timings include that hand-off and
+are not the speed of its in-process indexer.
 
-Writes benchmarks/results/router_micro.json. The machine is shared (2 cores): decisions are timed
-in rounds and both all samples and the quietest round are reported, with the load average
-before and after; rerun when it is high.
+    .venv/bin/python benchmarks/router_micro.py [--queries 2000] [--rounds 5] [--cpu 0]
+        [--dynamo-python .venv-dynamo/bin/python | --no-dynamo]
+
+Writes benchmarks/results/router_micro.json and router_micro.md. The machine is shared (2 cores):
+decisions are timed in rounds and both all samples and the quietest round are reported, with the load
+average before and after; rerun when it is high.
 """
 
 from __future__ import annotations
@@ -32,8 +40,11 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,8 +56,14 @@ from router import _kernels, hashing  # noqa: E402
 from workers.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from workers.sglang import kv_events as sglang  # noqa: E402
 from workers.vllm import kv_events as vllm  # noqa: E402
+from benchmarks.dynamo_radix_micro import pack_event  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
+DYNAMO_SCRIPT = Path(__file__).resolve().parent / "dynamo_radix_micro.py"
+DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
+TARGET = {"decision_p50_us": 50, "decision_p99_us": 200, "ingest_blocks_per_s": 1_000_000}
+KINDS = ("miss", "half", "full")
 BS, WORKERS, SEQ_TOKENS, PROMPT = 16, 64, 1024, 4096
 
 
@@ -164,14 +181,228 @@ def bench_parts(router: Router, endpoints: list[Endpoint], prompts: list[list[in
     return {"hash_4096_tokens": summary(th), "find_matches": summary(tm), "kv_cost_64_endpoints": summary(ts)}
 
 
+def bench_match_by_kind(ix: KvIndex, kinds: dict, n: int, rounds: int) -> dict:
+    """kvyard's find_matches per prompt kind (hashes computed beforehand, `rounds` rounds of n as for the
+    decisions), and hash + find_matches timed together: what Dynamo's binding is timed on."""
+    out = {}
+    for kind, prompts in kinds.items():
+        views = [block_hashes_view(p.tolist(), BS) for p in prompts]
+        per_round = []
+        for _ in range(rounds):
+            ts = []
+            for k in range(n + 100):
+                h = views[k % len(views)]
+                t0 = time.perf_counter_ns()
+                ix.find_matches(h)
+                dt = time.perf_counter_ns() - t0
+                if k >= 100:
+                    ts.append(dt)
+            per_round.append(ts)
+        quietest = min(per_round, key=lambda ts: pct(ts, 0.5))
+        hm = []
+        for k in range(n + 100):
+            toks = prompts[k % len(prompts)].tolist()
+            t0 = time.perf_counter_ns()
+            ix.find_matches(block_hashes_view(toks, BS))
+            dt = time.perf_counter_ns() - t0
+            if k >= 100:
+                hm.append(dt)
+        out[kind] = {"find_matches": {"all": summary([t for ts in per_round for t in ts]), "quietest_round": summary(quietest),
+                                      "round_p50s_us": [round(pct(ts, 0.5) / 1000, 1) for ts in per_round]},
+                     "hash_plus_find_matches": summary(hm)}
+    return out
+
+
+def expected_overlaps(ix: KvIndex, kinds: dict) -> dict:
+    """{kind: [{worker index: blocks}]} from kvyard's index, checked against how the prompts were cached:
+    full, 256 blocks on 8 workers; half, 128 on 4; miss, nothing."""
+    want = {"miss": (0, 0), "half": (4, 128), "full": (8, 256)}
+    out = {}
+    for kind, prompts in kinds.items():
+        out[kind] = []
+        for i, p in enumerate(prompts):
+            got = {worker_index(w): d for w, d in ix.find_matches(block_hashes_view(p.tolist(), BS)).items()}
+            n, depth = want[kind]
+            if len(got) != n or any(d != depth for d in got.values()):
+                raise AssertionError(f"kvyard find_matches, {kind} prompt {i}: {got}, expected {n} workers at {depth}")
+            out[kind].append(got)
+    return out
+
+
+def worker_index(worker_id: str) -> int:
+    """kvyard's bench worker ids are "w<n>"; Dynamo's are ints."""
+    return int(worker_id.lstrip("w"))
+
+
+def write_job(job_dir: str | Path, events: list, setup: list, prompts: dict, expect: dict, *, queries: int, rounds: int,
+              cpu: int) -> Path:
+    """The job for dynamo_radix_micro.py: `events` [(worker_id, BlockStored)] (timed ingest) and `setup`
+    [(worker_id, hashes, parent, tokens)] (the prompts' cached prefixes) as pack_event records, the prompts
+    {kind: [token ids]} and the overlaps {kind: [{worker index: blocks}]} each must get."""
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    with open(job_dir / "events.bin", "wb") as f:
+        for wid, ev in events:
+            f.write(pack_event(worker_index(wid), ev.block_hashes, ev.parent_block_hash, ev.token_ids))
+    with open(job_dir / "setup.bin", "wb") as f:
+        for wid, hashes, parent, toks in setup:
+            f.write(pack_event(worker_index(wid), hashes, parent, toks))
+    job = {"block_size": BS, "events_file": "events.bin", "setup_file": "setup.bin", "queries": queries, "rounds": rounds,
+           "cpu": cpu, "prompts": {k: [list(p) for p in ps] for k, ps in prompts.items()},
+           "expect": {k: [{str(w): d for w, d in e.items()} for e in es] for k, es in expect.items()}}
+    path = job_dir / "job.json"
+    path.write_text(json.dumps(job))
+    return path
+
+
+def parse_last_json(stdout: str) -> dict:
+    """The Dynamo script prints one JSON object; anything a library printed before it is skipped."""
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError("no JSON object in the Dynamo script's output")
+
+
+def run_dynamo(python: str | Path, job_path: Path, cpu: int, timeout_s: float = 3600) -> dict:
+    """Run dynamo_radix_micro.py under Dynamo's interpreter, pinned to `cpu` (taskset where present; the
+    script also pins itself before importing Dynamo)."""
+    cmd = [str(python), str(DYNAMO_SCRIPT), str(job_path)]
+    if cpu >= 0 and subprocess.run(["sh", "-c", "command -v taskset"], capture_output=True).returncode == 0:
+        cmd = ["taskset", "-c", str(cpu)] + cmd
+    env = dict(os.environ, DYN_LOG=os.environ.get("DYN_LOG", "error"))
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited {p.returncode}:\n{p.stderr[-4000:]}")
+    out = parse_last_json(p.stdout)
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    out["command"] = shlex.join(cmd)
+    return out
+
+
+def _ratio(a, b) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _pair(k: dict, d: dict) -> dict:
+    return {"kvyard_p50_us": k["p50_us"], "dynamo_p50_us": d["p50_us"], "p50_ratio": _ratio(k["p50_us"], d["p50_us"]),
+            "kvyard_p99_us": k["p99_us"], "dynamo_p99_us": d["p99_us"], "p99_ratio": _ratio(k["p99_us"], d["p99_us"])}
+
+
+def side_by_side(result: dict) -> dict:
+    """Ratios kvyard / Dynamo from a result holding both parts (all samples, not the quietest round)."""
+    dyn, mbk = result["dynamo"], result["match_by_kind"]
+    ing, ding = result["ingest"], dyn["ingest"]
+    out = {
+        "ratio_is": "kvyard / Dynamo: for times below 1 means kvyard is faster; for blocks/s above 1 means kvyard is faster",
+        "hash_4096_tokens": _pair(result["parts_half_prompt"]["hash_4096_tokens"], dyn["hash_4096_tokens"]),
+        "find_matches": {k: _pair(mbk[k]["find_matches"]["all"], dyn["find_matches"][k]["all"]) for k in mbk if k in dyn["find_matches"]},
+        "hash_plus_find_matches": {k: _pair(mbk[k]["hash_plus_find_matches"], dyn["hash_plus_find_matches"][k])
+                                   for k in mbk if k in dyn["hash_plus_find_matches"]},
+        "ingest_store_blocks_per_s": {"kvyard": ing["store_blocks_per_s"], "dynamo": ding["store_blocks_per_s"],
+                                      "ratio": _ratio(ing["store_blocks_per_s"], ding["store_blocks_per_s"])},
+        "ingest_remove_blocks_per_s": {"kvyard": ing.get("remove_blocks_per_s_leaf_first"), "dynamo": ding.get("remove_blocks_per_s"),
+                                       "ratio": _ratio(ing.get("remove_blocks_per_s_leaf_first"), ding.get("remove_blocks_per_s"))},
+        "dynamo_call_floor_p50_us": {k: v["p50_us"] for k, v in dyn["call_floor"].items() if isinstance(v, dict)},
+    }
+    return out
+
+
+def _us(x) -> str:
+    return "–" if x is None else f"{x:,.1f}"
+
+
+def _r(x) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def render_md(result: dict, command: str) -> str:
+    """benchmarks/results/router_micro.md: kvyard vs Dynamo's RadixTree binding, targets, load, caveat."""
+    t, dec, m = result["target"], result["decision"], result["machine"]
+    lines = ["# Router micro-benchmark: kvyard vs Dynamo's RadixTree binding", "",
+             f"Recorded {result['recorded_at']} with `{command}`.", "",
+             f"Machine: {m['cores']} cores, pinned to core {m['pinned_core']}, Python {m['python']}; "
+             f"1/5/15-min load average {' / '.join(str(x) for x in m['loadavg_before'])} before, "
+             f"{' / '.join(str(x) for x in m['loadavg_after'])} after."]
+    dyn = result.get("dynamo")
+    if dyn and "loadavg_before" in dyn:
+        lines[-1] += (f" Dynamo part: {' / '.join(str(x) for x in dyn['loadavg_before'])} before, "
+                      f"{' / '.join(str(x) for x in dyn['loadavg_after'])} after.")
+    loads = [m["loadavg_before"][0], m["loadavg_after"][0]] + ([dyn["loadavg_before"][0], dyn["loadavg_after"][0]] if dyn and "loadavg_before" in dyn else [])
+    if max(loads) >= 1.0:
+        lines += ["", f"**Load.** The 1-minute load average reached {max(loads)} during the run (other jobs share this "
+                  f"{m['cores']}-core machine): tails (p99) are mostly scheduler noise, Dynamo's more so, since each of its "
+                  "calls waits for its background thread to be scheduled on the same core."]
+    ing = result["ingest"]
+    lines += ["", f"## kvyard routing decision (hash + match + cost 64 endpoints + rank + book), {ing['blocks']:,} indexed blocks", "",
+              "| prompt | p50 µs | p90 µs | p99 µs | quietest-round p50 µs | target p50 ≤ {} / p99 ≤ {} |".format(
+                  t["decision_p50_us"], t["decision_p99_us"]),
+              "|---|---|---|---|---|---|"]
+    for k, d in dec.items():
+        a = d["all"]
+        ok = a["p50_us"] <= t["decision_p50_us"] and a["p99_us"] <= t["decision_p99_us"]
+        lines.append(f"| {k} | {_us(a['p50_us'])} | {_us(a['p90_us'])} | {_us(a['p99_us'])} | "
+                     f"{_us(d['quietest_round']['p50_us'])} | {'met' if ok else 'missed'} |")
+    ok = ing["store_blocks_per_s"] >= t["ingest_blocks_per_s"]
+    lines += ["", f"kvyard ingest: {ing['store_blocks_per_s']:,} blocks/s ({ing['blocks_per_event']} blocks per event, "
+              f"{ing['blocks']:,} blocks; target ≥ {t['ingest_blocks_per_s']:,}: {'met' if ok else 'missed'})."]
+    sbs = result.get("side_by_side")
+    if not sbs:
+        lines += ["", f"Dynamo not measured: {result.get('dynamo_skipped', 'no result')}.", ""]
+        return "\n".join(lines)
+    lines += ["", f"## Side by side (Dynamo ai-dynamo-runtime {dyn.get('version', '?')}, same events and prompts, same core)", "",
+              "Ratio = kvyard / Dynamo: for times below 1 means kvyard is faster, for blocks/s above 1. "
+              "Hash: kvyard's chained block hashes (what Router.route uses) vs `compute_block_hash_for_seq`, each given a "
+              "fresh list of 4,096 ints. find_matches: kvyard's index given its uint64 view vs `RadixTree.find_matches` given "
+              "the list of 256 Dynamo hashes. All samples of all rounds. Dynamo's binding has no counterpart of kvyard's "
+              "whole decision (cost + rank + book: its KvRouter needs a running DistributedRuntime).", "",
+              "| operation | kvyard p50 µs | Dynamo p50 µs | ratio p50 | kvyard p99 µs | Dynamo p99 µs | ratio p99 |",
+              "|---|---|---|---|---|---|---|"]
+
+    def row(name, p):
+        lines.append(f"| {name} | {_us(p['kvyard_p50_us'])} | {_us(p['dynamo_p50_us'])} | {_r(p['p50_ratio'])} | "
+                     f"{_us(p['kvyard_p99_us'])} | {_us(p['dynamo_p99_us'])} | {_r(p['p99_ratio'])} |")
+    row("hash 4,096 tokens (256 blocks)", sbs["hash_4096_tokens"])
+    for k, p in sbs["find_matches"].items():
+        row(f"find_matches, {k} prompt", p)
+    for k, p in sbs["hash_plus_find_matches"].items():
+        row(f"hash + find_matches, {k} prompt", p)
+    lines += ["", "| ingest | kvyard blocks/s | Dynamo blocks/s | ratio |", "|---|---|---|---|"]
+    for name, key in (("store, 16 blocks per event", "ingest_store_blocks_per_s"), ("remove, 16 blocks per event, leaf events first", "ingest_remove_blocks_per_s")):
+        p = sbs[key]
+        lines.append(f"| {name} | {'–' if p['kvyard'] is None else format(p['kvyard'], ',')} | "
+                     f"{'–' if p['dynamo'] is None else format(p['dynamo'], ',')} | {_r(p['ratio'])} |")
+    di = dyn["ingest"]
+    cf = sbs["dynamo_call_floor_p50_us"]
+    lines += ["", f"Dynamo ingest: {di['events']:,} stored events, {di['blocks']:,} blocks ({di['store_events_per_s']:,} events/s), "
+              f"as JSON bytes of its KvCacheEvent with tokens_hash precomputed (a worker's publisher does that; it cost "
+              f"{di['tokens_hash_and_json_us_per_event']} µs per event here, not counted). kvyard's figure includes hashing "
+              "each event's token ids into its own chained block hashes.", "",
+              "Dynamo binding call floor (p50): " + ", ".join(f"{k} {_us(v)} µs" for k, v in cf.items()) + ".", "",
+              "**Caveat.** Dynamo's Python `RadixTree` hands every call to a dedicated Rust background thread and waits "
+              "for the answer, so each `find_matches`/`apply_event` above includes that hand-off (see the call floor: "
+              "`find_matches([])` does no tree work) and the Python-list/JSON conversion. These are the binding's "
+              "numbers, not the speed of Dynamo's in-process indexer inside its Rust router (its docs put that at "
+              "p99 < 10 µs). Both sides run on the same pinned core; the binding's thread shares it with the caller.",
+              f"Every Dynamo overlap was checked against kvyard's ({', '.join(f'{k} {v}' for k, v in dyn.get('overlaps_checked', {}).items())} "
+              "prompts: full 256 blocks on 8 workers, half 128 on 4, miss none).", ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--queries", type=int, default=2000, help="decisions per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--blocks", type=int, default=1_000_000)
     ap.add_argument("--cpu", type=int, default=0, help="pin to this core (-1: do not pin)")
-    ap.add_argument("--out", default=str(RESULTS / "router_micro.json"))
+    ap.add_argument("--out", default=str(RESULTS / "router_micro.json"), help="JSON result; the .md goes beside it")
+    ap.add_argument("--dynamo-python", default=str(DYNAMO_PYTHON),
+                    help="Dynamo's interpreter for dynamo_radix_micro.py (default: <repo>/.venv-dynamo/bin/python)")
+    ap.add_argument("--no-dynamo", action="store_true", help="skip the Dynamo side")
+    ap.add_argument("--dynamo-timeout", type=float, default=3600)
     args = ap.parse_args()
+    command = shlex.join(["python", "benchmarks/router_micro.py"] + sys.argv[1:])
     if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
     load_before = os.getloadavg()
@@ -186,6 +417,14 @@ def main() -> None:
     ingest["remove_blocks_per_s"] = round(16 * len(removals) / (time.perf_counter() - t0))
     for wid, ev in events[: len(events) // 4]:  # back to ~1M blocks
         ix.apply(wid, ev)
+    # the same removals leaf events first (the order Dynamo's side uses: its tree drops a removed block's
+    # descendants), then back again
+    t0 = time.perf_counter()
+    for wid, ev in reversed(removals):
+        ix.apply(wid, ev)
+    ingest["remove_blocks_per_s_leaf_first"] = round(16 * len(removals) / (time.perf_counter() - t0))
+    for wid, ev in events[: len(events) // 4]:
+        ix.apply(wid, ev)
     ingest.update(bench_ingest_wire(events, 8000))
     ingest.update(bench_event_sizes(rng))
 
@@ -197,6 +436,12 @@ def main() -> None:
             if j % 2:
                 router.loads.on_first_token(f"bg{w}-{j}")
 
+    setup: list = []  # the prompts' cached prefixes, stored directly (Dynamo gets them as stored events)
+
+    def store(wid, hashes, toks):
+        ix.store(wid, hashes, None, toks, BS)
+        setup.append((wid, hashes, None, toks))
+
     def prompts(kind: str) -> list[list[int]]:
         out = []
         for i in range(64):
@@ -206,25 +451,28 @@ def main() -> None:
             elif kind == "half":  # a 1,024-token cached sequence + its own next 1,024 tokens cached on 4 workers
                 head = seqs[i] + seqs[i + 64]
                 for w in range(4):
-                    ix.store(f"w{(i + w * 16) % WORKERS}", [10**9 + i * 1000 + w * 100 + b for b in range(128)], None, head, BS)
+                    store(f"w{(i + w * 16) % WORKERS}", [10**9 + i * 1000 + w * 100 + b for b in range(128)], head)
                 out.append(head + tail[: PROMPT - 2048])
             else:
                 full = tail
                 for w in range(8):
-                    ix.store(f"w{(i + w * 8) % WORKERS}", [2 * 10**9 + i * 1000 + w * 300 + b for b in range(256)], None, full, BS)
+                    store(f"w{(i + w * 8) % WORKERS}", [2 * 10**9 + i * 1000 + w * 300 + b for b in range(256)], full)
                 out.append(full)
         return out
 
     gc.collect()
     gc.freeze()
-    kinds = {k: [array("I", p) for p in prompts(k)] for k in ("miss", "half", "full")}
+    kinds = {k: [array("I", p) for p in prompts(k)] for k in KINDS}
+    expect = expected_overlaps(ix, kinds)
     decision = {k: bench_route(router, endpoints, p, args.queries, args.rounds) for k, p in kinds.items()}
     parts = bench_parts(router, endpoints, kinds["half"], args.queries)
+    match_by_kind = bench_match_by_kind(ix, kinds, args.queries, args.rounds)
     result = {
         "what": "Router('kv').route(): 4,096-token prompt, block size 16, 64 endpoints, ~1M indexed blocks; one core",
-        "target": {"decision_p50_us": 50, "decision_p99_us": 200, "ingest_blocks_per_s": 1_000_000},
+        "target": dict(TARGET),
         "decision": decision,
         "parts_half_prompt": parts,
+        "match_by_kind": match_by_kind,
         "ingest": ingest,
         "implementation": {"hashing": hashing.IMPLEMENTATION, "kernels": _kernels.IMPLEMENTATION},
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
@@ -232,9 +480,25 @@ def main() -> None:
                     "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("decision", "parts_half_prompt", "ingest", "machine")}, indent=1))
+    dyn_python = Path(args.dynamo_python)
+    if args.no_dynamo:
+        result["dynamo_skipped"] = "--no-dynamo"
+    elif not dyn_python.exists():
+        result["dynamo_skipped"] = f"{dyn_python} not found (scripts/install_dynamo.sh installs it)"
+        print(f"note: Dynamo side skipped: {result['dynamo_skipped']}", file=sys.stderr)
+    else:
+        with tempfile.TemporaryDirectory(prefix="router_micro_dynamo_") as tmp:
+            job = write_job(tmp, events, setup, {k: [p.tolist() for p in ps] for k, ps in kinds.items()}, expect,
+                            queries=args.queries, rounds=args.rounds, cpu=args.cpu)
+            result["dynamo"] = run_dynamo(dyn_python, job, args.cpu, args.dynamo_timeout)
+        result["side_by_side"] = side_by_side(result)
+    result["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    result["command"] = command
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render_md(result, command))
+    print(json.dumps({k: result[k] for k in ("decision", "parts_half_prompt", "ingest", "machine", "side_by_side") if k in result}, indent=1))
 
 
 if __name__ == "__main__":
