@@ -41,7 +41,6 @@ import os
 import platform
 import random
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,7 +55,7 @@ from router import _kernels, hashing  # noqa: E402
 from workers.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from workers.sglang import kv_events as sglang  # noqa: E402
 from workers.vllm import kv_events as vllm  # noqa: E402
-from benchmarks.dynamo_radix_micro import pack_event  # noqa: E402
+from benchmarks.dynamo_radix_micro import pack_event, pct, summary  # noqa: E402 (one percentile rule for both sides)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,17 +64,6 @@ DYNAMO_PYTHON = ROOT / ".venv-dynamo" / "bin" / "python"
 TARGET = {"decision_p50_us": 50, "decision_p99_us": 200, "ingest_blocks_per_s": 1_000_000}
 KINDS = ("miss", "half", "full")
 BS, WORKERS, SEQ_TOKENS, PROMPT = 16, 64, 1024, 4096
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def summary(ns: list[int]) -> dict:
-    us = [x / 1000 for x in ns]
-    return {"p50_us": round(pct(us, 0.5), 2), "p90_us": round(pct(us, 0.9), 2), "p99_us": round(pct(us, 0.99), 2),
-            "mean_us": round(statistics.fmean(us), 2), "n": len(us)}
 
 
 def build_index(rng: random.Random, target_blocks: int) -> tuple[KvIndex, list[list[int]], dict]:
