@@ -619,6 +619,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-reuse-weight", type=float, default=None, help="frontend kv_reuse_weight (default: the frontend's)")
     ap.add_argument("--reuse-weights", default="", help="sweep: also run kv once per reuse weight, e.g. 1,2,4")
     ap.add_argument("--overlap-weights", default="", help="sweep: also run kv once per weight, e.g. 0.5,1,2,4,8")
+    ap.add_argument("--kv-pairs", default="", help="sweep: also run kv once per overlap:reuse pair, e.g. 8:16,16:8")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every run, interleaved (kv, round-robin, kv, ...), each on a fresh cluster; the "
                          "report gives per-policy medians and the per-round kv/round-robin ratios")
@@ -628,13 +629,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_list(args, policies: str) -> list[tuple[str, str, dict]]:
     """(label, policy, kv settings for the frontend) per run: the policies, then kv once per --overlap-weights
-    entry and once per --reuse-weights entry (each with the other setting as given, or the frontend's default)."""
+    entry and once per --reuse-weights entry (each with the other setting as given, or the frontend's default),
+    then once per --kv-pairs overlap:reuse pair (both set)."""
     base = {k: v for k, v in (("overlap_weight", args.kv_overlap_weight), ("reuse_weight", args.kv_reuse_weight)) if v is not None}
     runs = [(p, p, base if p == "kv" else {}) for p in filter(None, policies.split(","))]
     for w in filter(None, args.overlap_weights.split(",")):
         runs.append((f"kv w={float(w):g}", "kv", {**base, "overlap_weight": float(w)}))
     for w in filter(None, args.reuse_weights.split(",")):
         runs.append((f"kv reuse={float(w):g}", "kv", {**base, "reuse_weight": float(w)}))
+    for pair in filter(None, getattr(args, "kv_pairs", "").split(",")):
+        ow, rw = (float(x) for x in pair.split(":"))
+        runs.append((f"kv w={ow:g} reuse={rw:g}", "kv", {"overlap_weight": ow, "reuse_weight": rw}))
     return runs
 
 

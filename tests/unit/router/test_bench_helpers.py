@@ -144,3 +144,13 @@ def test_routing_disagg_reads_disagg_decisions_by_mode():
                       'kvyard_disagg_decisions_total{mode="fallback",reason="decode_error"} 2.0',
                       'kvyard_disagg_decisions_total{mode="remote",reason="isl"} 2.0', 'kvyard_disagg_created 1.7e9'])
     assert disagg_decisions(text) == {"remote": 42.0, "retry": 1.0, "fallback": 2.0}
+
+
+def test_routing_run_list_sweeps_weights_and_pairs():
+    from benchmarks.routing import build_parser, run_list
+    args = build_parser().parse_args(["--kv-reuse-weight", "16", "--overlap-weights", "4", "--kv-pairs", "16:8,2:1"])
+    runs = run_list(args, "kv,round-robin")
+    assert runs == [("kv", "kv", {"reuse_weight": 16.0}), ("round-robin", "round-robin", {}),
+                    ("kv w=4", "kv", {"reuse_weight": 16.0, "overlap_weight": 4.0}),
+                    ("kv w=16 reuse=8", "kv", {"overlap_weight": 16.0, "reuse_weight": 8.0}),
+                    ("kv w=2 reuse=1", "kv", {"overlap_weight": 2.0, "reuse_weight": 1.0})]
