@@ -39,19 +39,20 @@ class FrontendConfig(BaseModel):
     policy: str = "kv"  # kv | least-loaded | round-robin | random
     # kv: weight of uncached prefill blocks against decode blocks (Dynamo: 1). With the reuse credit below it sets how
     # much decode load a cache hit outweighs (with reuse 1 it scaled both sides of the prefill term, and 1-8 moved
-    # nothing: routing_sweep.md). The pair (16, 8) was measured against the earlier (8, 16) side by side, three rounds
-    # on the Mooncake trace at 59k blocks (benchmarks/results/routing_pairs_repeats.md): hits 95.0% vs 93.7% of the
-    # fleet bound (medians; rounds 94.6-96.4 vs 91.5-94.8), TTFT p90 832 vs 830 ms; on shared prefixes equal
-    # (99.1% of the bound, routing_pairs_shared.md). (16, 16) hits more still (96.8%, routing_w16_repeats.md) but piles
-    # a hot prefix whose copies the index never learns onto its holder: 46 of 64 requests vs 33 at (16, 8) and 36 at
-    # (8, 16) (test_kv_policy.py); the earlier single-weight sweeps are routing_overlap_sweep*.md.
-    kv_overlap_weight: float = Field(16.0, ge=0)
+    # nothing: routing_sweep.md). 8, measured with reuse 16 in benchmarks/results/routing_overlap_sweep*.md: Mooncake
+    # trace at 59k blocks hits 15.2% / 15.6% / 15.8% (92.5 / 95.0 / 96.2% of the fleet bound) and TTFT p90 842 / 790 /
+    # 786 ms for 4 / 8 / 16; at 16k blocks and on shared prefixes all equal within noise. 16 would pile a hot prefix
+    # whose copies the index never learns onto its holder (46 of 64 requests; 8: 36; test_kv_policy.py). (16, reuse 8)
+    # hit 95.0% vs 93.7% of the bound beside these weights (3 rounds, routing_pairs_repeats.md) but kept a hot prefix
+    # with short suffixes on its holder: 12 concurrent requests all on one of two real vLLM engines
+    # (test_kv_routing_vllm.py; a 10-block hit then outweighs 16 requests' decode blocks), so not the default.
+    kv_overlap_weight: float = Field(8.0, ge=0)
     # kv: how many tokens of a worker's pending prefill one prompt token cached there is worth (the credit stops at
-    # an empty prefill queue, so it never outweighs decode load). 1 is Dynamo's TTFT-greedy trade, which ignores that
-    # a prefix recomputed elsewhere costs the fleet that compute again: reuse 16 vs 1 (overlap weight 4,
-    # benchmarks/results/routing_reuse.md) lifted trace hits from 73% to 93% of the fleet bound and shared-prefix hits
-    # from 95% to 98%, TTFT equal within run-to-run noise; 8 with overlap weight 16, above.
-    kv_reuse_weight: float = Field(8.0, ge=0)
+    # an empty prefill queue, so it never outweighs decode load). 1 is Dynamo's TTFT-greedy trade; 16, measured in
+    # benchmarks/results/routing_reuse.md: on the Mooncake trace (59k blocks) hits 11.9% -> 15.2% (73% -> 93% of the
+    # fleet bound), on shared prefixes 76.8% -> 79.3% (95% -> 98%), TTFT equal within run-to-run noise. A prefix
+    # recomputed elsewhere costs the fleet that compute again, which the greedy trade ignores.
+    kv_reuse_weight: float = Field(16.0, ge=0)
     router_temperature: float = Field(0.0, ge=0)  # kv: 0 = argmin of the cost, > 0 = softmax sampling
     redis_url: str | None = None  # None -> in-memory discovery (embedded default)
     discovery_prefix: str = "kvyard"
