@@ -41,6 +41,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -127,6 +128,14 @@ def bench_event_sizes(rng: random.Random, total_blocks: int = 200_000) -> dict:
     return out
 
 
+def rounds_summary(per_round: list[list[int]]) -> dict:
+    """Timings (ns) taken in rounds: all samples, the quietest round (lowest p50) on its own, and each round's p50,
+    since other processes on this shared 2-core machine come and go."""
+    quietest = min(per_round, key=lambda ts: pct(ts, 0.5))
+    return {"all": summary([t for ts in per_round for t in ts]), "quietest_round": summary(quietest),
+            "round_p50s_us": [round(pct(ts, 0.5) / 1000, 1) for ts in per_round]}
+
+
 def bench_route(router: Router, endpoints: list[Endpoint], prompts: list[list[int]], n: int, rounds: int) -> dict:
     """`rounds` rounds of n decisions: all samples, and the quietest round (lowest p50) on its own,
     since other processes on this shared 2-core machine come and go."""
@@ -143,9 +152,7 @@ def bench_route(router: Router, endpoints: list[Endpoint], prompts: list[list[in
             if k >= 100:
                 times.append(dt)
         per_round.append(times)
-    quietest = min(per_round, key=lambda ts: pct(ts, 0.5))
-    return {"all": summary([t for ts in per_round for t in ts]), "quietest_round": summary(quietest),
-            "round_p50s_us": [round(pct(ts, 0.5) / 1000, 1) for ts in per_round]}
+    return rounds_summary(per_round)
 
 
 def bench_parts(router: Router, endpoints: list[Endpoint], prompts: list[list[int]], n: int) -> dict:
@@ -186,7 +193,6 @@ def bench_match_by_kind(ix: KvIndex, kinds: dict, n: int, rounds: int) -> dict:
                 if k >= 100:
                     ts.append(dt)
             per_round.append(ts)
-        quietest = min(per_round, key=lambda ts: pct(ts, 0.5))
         hm = []
         for k in range(n + 100):
             toks = prompts[k % len(prompts)].tolist()
@@ -195,8 +201,7 @@ def bench_match_by_kind(ix: KvIndex, kinds: dict, n: int, rounds: int) -> dict:
             dt = time.perf_counter_ns() - t0
             if k >= 100:
                 hm.append(dt)
-        out[kind] = {"find_matches": {"all": summary([t for ts in per_round for t in ts]), "quietest_round": summary(quietest),
-                                      "round_p50s_us": [round(pct(ts, 0.5) / 1000, 1) for ts in per_round]},
+        out[kind] = {"find_matches": rounds_summary(per_round),
                      "hash_plus_find_matches": summary(hm)}
     return out
 
@@ -256,7 +261,7 @@ def run_dynamo(python: str | Path, job_path: Path, cpu: int, timeout_s: float = 
     """Run dynamo_radix_micro.py under Dynamo's interpreter, pinned to `cpu` (taskset where present; the
     script also pins itself before importing Dynamo)."""
     cmd = [str(python), str(DYNAMO_SCRIPT), str(job_path)]
-    if cpu >= 0 and subprocess.run(["sh", "-c", "command -v taskset"], capture_output=True).returncode == 0:
+    if cpu >= 0 and shutil.which("taskset"):
         cmd = ["taskset", "-c", str(cpu)] + cmd
     env = dict(os.environ, DYN_LOG=os.environ.get("DYN_LOG", "error"))
     t0 = time.perf_counter()
@@ -464,8 +469,7 @@ def main() -> None:
         "ingest": ingest,
         "implementation": {"hashing": hashing.IMPLEMENTATION, "kernels": _kernels.IMPLEMENTATION},
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-                    "cores": os.cpu_count(), "pinned_core": args.cpu, "loadavg_before": [round(x, 2) for x in load_before],
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+                    "cores": os.cpu_count(), "pinned_core": args.cpu, "loadavg_before": [round(x, 2) for x in load_before]},
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     dyn_python = Path(args.dynamo_python)
@@ -480,7 +484,7 @@ def main() -> None:
                             queries=args.queries, rounds=args.rounds, cpu=args.cpu)
             result["dynamo"] = run_dynamo(dyn_python, job, args.cpu, args.dynamo_timeout)
         result["side_by_side"] = side_by_side(result)
-    result["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    result["machine"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]  # after the Dynamo side too
     result["command"] = command
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

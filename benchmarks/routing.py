@@ -300,20 +300,24 @@ class Cluster:
     """`kvyard up` as a child process (own session); stopped by its PID, SIGTERM then SIGKILL of its group."""
 
     def __init__(self, args, policy: str, num_gpu_blocks: int, tmp: Path, kv: dict | None = None) -> None:
-        self.args, self.policy = args, policy
-        self.ports = [args.base_port + i for i in range(args.workers)]
         kv = kv or {}
         tag = f"{policy}-{num_gpu_blocks}" + "".join(f"-{k}{v:g}" for k, v in sorted(kv.items()))
+        self.setup(args, policy, tmp, tag, num_gpu_blocks, ["--workers", str(args.workers)], {f"kv_{k}": v for k, v in kv.items()})
+        self.ports = [args.base_port + i for i in range(args.workers)]
+
+    def setup(self, args, policy: str, tmp: Path, tag: str, num_gpu_blocks: int, pool_args: list[str], frontend: dict) -> None:
+        """Write one run's `kvyard up` config (engine KV capacity, log folder, frontend settings) and command line;
+        `pool_args` says which workers to start."""
+        self.args, self.policy, self.ports = args, policy, []
         cfg = tmp / f"up-{tag}.yaml"
-        logs = tmp / f"logs-{tag}"
-        conf = {"engine_args": ["--num-gpu-blocks", str(num_gpu_blocks)], "log_dir": str(logs)}
-        if kv:
-            conf["frontend"] = {f"kv_{k}": v for k, v in kv.items()}
+        conf = {"engine_args": ["--num-gpu-blocks", str(num_gpu_blocks)], "log_dir": str(tmp / f"logs-{tag}")}
+        if frontend:
+            conf["frontend"] = frontend
         cfg.write_text(json.dumps(conf))
-        self.cmd = [sys.executable, "-m", "orchestrator", "--log-level", "warning", "up", "--workers", str(args.workers),
-                    "--policy", policy, "--speedup", str(args.speedup), "--port", str(args.port), "--base-port",
-                    str(args.base_port), "--grpc-port", "0", "--block-size", str(args.block_size), "--max-model-len",
-                    str(args.max_model_len), "--config", str(cfg)]
+        self.cmd = [sys.executable, "-m", "orchestrator", "--log-level", "warning", "up", *pool_args, "--policy", policy,
+                    "--speedup", str(args.speedup), "--port", str(args.port), "--base-port", str(args.base_port),
+                    "--grpc-port", "0", "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
+                    "--config", str(cfg)]
         self.log = tmp / f"up-{tag}.log"
         self.proc: subprocess.Popen | None = None
 

@@ -45,21 +45,11 @@ class DisaggCluster(Cluster):
     """`kvyard up` with a prefill and a decode pool; ready when every worker is, the prefill engines' ports read back
     (counters are read from the prefill pool only)."""
 
-    def __init__(self, args, reuse: float, tmp: Path) -> None:  # noqa: D107 (Cluster's __aexit__ stops it)
-        self.args, self.policy, self.reuse = args, "kv", reuse
-        tag = f"pd-reuse{reuse:g}"
-        cfg = tmp / f"up-{tag}.yaml"
-        conf = {"engine_args": ["--num-gpu-blocks", str(args.num_gpu_blocks)], "log_dir": str(tmp / f"logs-{tag}"),
-                "frontend": {"disagg": {"prefill_reuse_weight": reuse}}}
-        cfg.write_text(json.dumps(conf))
-        self.cmd = [sys.executable, "-m", "orchestrator", "--log-level", "warning", "up", "--prefill-workers",
-                    str(args.prefill_workers), "--decode-workers", str(args.decode_workers), "--flavor", "vllm",
-                    "--disagg-mode", "always", "--speedup", str(args.speedup), "--port", str(args.port), "--base-port",
-                    str(args.base_port), "--grpc-port", "0", "--block-size", str(args.block_size), "--max-model-len",
-                    str(args.max_model_len), "--config", str(cfg)]
-        self.log = tmp / f"up-{tag}.log"
-        self.proc = None
-        self.ports: list[int] = []
+    def __init__(self, args, reuse: float, tmp: Path) -> None:
+        self.reuse = reuse
+        self.setup(args, "kv", tmp, f"pd-reuse{reuse:g}", args.num_gpu_blocks,
+                   ["--prefill-workers", str(args.prefill_workers), "--decode-workers", str(args.decode_workers),
+                    "--flavor", "vllm", "--disagg-mode", "always"], {"disagg": {"prefill_reuse_weight": reuse}})
 
     start_timeout_s = 180.0
 
