@@ -5,9 +5,12 @@ endpoints whose index holds ~1M blocks (64 workers x 244 cached 1,024-token sequ
 background load booked on every worker. Timed end to end through Router.route (hash the prompt,
 match it in the index, cost every endpoint, rank, book), wall clock, each request with a fresh
 list of token ids (as the tokenizer hands it over), for three prompt kinds:
-    miss      no block of the prompt is cached anywhere
-    half      its first 2,048 tokens are cached on 4 workers
+    miss      no block of the prompt is cached anywhere (fresh tokens per request)
+    half      its first 2,048 tokens are cached on 4 workers (the rest fresh per request)
     full      all 4,096 tokens are cached on 8 workers (the longest walk)
+Routing also records each request's new blocks as pending on its worker (predictions the engine's events confirm
+later, router/kv_index.py): the fresh tokens keep every kind what it is, and the decisions run with the pending
+table those requests fill (its size is reported).
 plus the parts alone (hash, match, score) for the `half` prompts. Each run is preceded by a
 warm-up; GC stays on (setup objects frozen, as a long-running frontend's would be old).
 
@@ -136,15 +139,26 @@ def rounds_summary(per_round: list[list[int]]) -> dict:
             "round_p50s_us": [round(pct(ts, 0.5) / 1000, 1) for ts in per_round]}
 
 
-def bench_route(router: Router, endpoints: list[Endpoint], prompts: list[list[int]], n: int, rounds: int) -> dict:
+def bench_route(router: Router, endpoints: list[Endpoint], prompts: list[list[int]], n: int, rounds: int,
+                fresh_from: int | None = None, pool: array | None = None) -> dict:
     """`rounds` rounds of n decisions: all samples, and the quietest round (lowest p50) on its own,
-    since other processes on this shared 2-core machine come and go."""
+    since other processes on this shared 2-core machine come and go.
+
+    Routing marks the blocks a request will store on its worker as pending (router/kv_index.py), so a prompt
+    routed twice would be a hit the second time. With `fresh_from` every request's tokens from that position on
+    are a window of `pool` no earlier request used (shifted by one token: every block differs), so a miss stays
+    a miss and a half prompt stays half cached; the full prompts add nothing pending (their worker holds them)."""
     per_round = []
+    off = 0
     for r in range(rounds):
         times = []
         for k in range(n + 100):
             # a fresh list of fresh ints per request, as the tokenizer hands it over (not timed)
-            rq = RouteRequest(request_id=f"q{r}-{k}", model="m", token_ids=prompts[k % len(prompts)].tolist())
+            toks = prompts[k % len(prompts)].tolist()
+            if fresh_from is not None:
+                off += 1
+                toks[fresh_from:] = pool[off: off + PROMPT - fresh_from].tolist()
+            rq = RouteRequest(request_id=f"q{r}-{k}", model="m", token_ids=toks)
             t0 = time.perf_counter_ns()
             router.route(rq, endpoints)
             dt = time.perf_counter_ns() - t0
@@ -457,13 +471,17 @@ def main() -> None:
     gc.freeze()
     kinds = {k: [array("I", p) for p in prompts(k)] for k in KINDS}
     expect = expected_overlaps(ix, kinds)
-    decision = {k: bench_route(router, endpoints, p, args.queries, args.rounds) for k, p in kinds.items()}
+    pool = array("I", (rng.randrange(60_000, 70_000) for _ in range(2 * args.queries * args.rounds + 2 * PROMPT)))
+    fresh = {"miss": 0, "half": 2048, "full": None}
+    decision = {k: bench_route(router, endpoints, p, args.queries, args.rounds, fresh[k], pool) for k, p in kinds.items()}
+    pending = {"blocks_after_decisions": ix.pending_blocks(), "ttl_s": ix.pending_ttl_s}
     parts = bench_parts(router, endpoints, kinds["half"], args.queries)
     match_by_kind = bench_match_by_kind(ix, kinds, args.queries, args.rounds)
     result = {
         "what": "Router('kv').route(): 4,096-token prompt, block size 16, 64 endpoints, ~1M indexed blocks; one core",
         "target": dict(TARGET),
         "decision": decision,
+        "pending_predictions": pending,
         "parts_half_prompt": parts,
         "match_by_kind": match_by_kind,
         "ingest": ingest,

@@ -435,7 +435,8 @@ async def run_policy(args, policy: str, workload: list[dict], num_gpu_blocks: in
                          "blocks_removed": {w: v - r_before["blocks_removed"].get(w, 0) for w, v in r_after["blocks_removed"].items()},
                          "blocks_stored": {w: v - r_before["blocks_stored"].get(w, 0) for w, v in r_after["blocks_stored"].items()}}
     kv = kv or {}
-    res.update({"policy": policy, "overlap_weight": kv.get("overlap_weight"), "reuse_weight": kv.get("reuse_weight"), "num_gpu_blocks": num_gpu_blocks, "cache_hits_tokens": dh, "cache_queries_tokens": dq,
+    res.update({"policy": policy, "overlap_weight": kv.get("overlap_weight"), "reuse_weight": kv.get("reuse_weight"),
+                "request_weight": kv.get("request_weight"), "num_gpu_blocks": num_gpu_blocks, "cache_hits_tokens": dh, "cache_queries_tokens": dq,
                 "hit_rate": round(dh / dq, 4) if dq else None, "loadavg_start": round(la0, 2),
                 "loadavg_end": round(os.getloadavg()[0], 2), "generation_tokens_per_worker": per_worker})
     short = {k: res[k] for k in ("ok", "errors", "wall_s", "req_per_s", "hit_rate", "loadavg_end")}
@@ -623,7 +624,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-reuse-weight", type=float, default=None, help="frontend kv_reuse_weight (default: the frontend's)")
     ap.add_argument("--reuse-weights", default="", help="sweep: also run kv once per reuse weight, e.g. 1,2,4")
     ap.add_argument("--overlap-weights", default="", help="sweep: also run kv once per weight, e.g. 0.5,1,2,4,8")
-    ap.add_argument("--kv-pairs", default="", help="sweep: also run kv once per overlap:reuse pair, e.g. 8:16,16:8")
+    ap.add_argument("--kv-request-weight", type=float, default=None, help="frontend kv_request_weight (default: the frontend's)")
+    ap.add_argument("--kv-pairs", default="",
+                    help="sweep: also run kv once per overlap:reuse[:request[:pending_ttl_s]] setting, e.g. 8:16,16:8:16:0 "
+                         "(the frontend's for what is not given)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every run, interleaved (kv, round-robin, kv, ...), each on a fresh cluster; the "
                          "report gives per-policy medians and the per-round kv/round-robin ratios")
@@ -634,16 +638,22 @@ def build_parser() -> argparse.ArgumentParser:
 def run_list(args, policies: str) -> list[tuple[str, str, dict]]:
     """(label, policy, kv settings for the frontend) per run: the policies, then kv once per --overlap-weights
     entry and once per --reuse-weights entry (each with the other setting as given, or the frontend's default),
-    then once per --kv-pairs overlap:reuse pair (both set)."""
-    base = {k: v for k, v in (("overlap_weight", args.kv_overlap_weight), ("reuse_weight", args.kv_reuse_weight)) if v is not None}
+    then once per --kv-pairs overlap:reuse[:request[:pending_ttl_s]] setting (those set)."""
+    given = (("overlap_weight", args.kv_overlap_weight), ("reuse_weight", args.kv_reuse_weight),
+             ("request_weight", getattr(args, "kv_request_weight", None)))
+    base = {k: v for k, v in given if v is not None}
     runs = [(p, p, base if p == "kv" else {}) for p in filter(None, policies.split(","))]
     for w in filter(None, args.overlap_weights.split(",")):
         runs.append((f"kv w={float(w):g}", "kv", {**base, "overlap_weight": float(w)}))
     for w in filter(None, args.reuse_weights.split(",")):
         runs.append((f"kv reuse={float(w):g}", "kv", {**base, "reuse_weight": float(w)}))
     for pair in filter(None, getattr(args, "kv_pairs", "").split(",")):
-        ow, rw = (float(x) for x in pair.split(":"))
-        runs.append((f"kv w={ow:g} reuse={rw:g}", "kv", {"overlap_weight": ow, "reuse_weight": rw}))
+        vals = [float(x) for x in pair.split(":")]
+        if len(vals) not in (2, 3, 4):
+            raise SystemExit(f"--kv-pairs: {pair!r} is not overlap:reuse[:request[:pending_ttl_s]]")
+        kv = dict(zip(("overlap_weight", "reuse_weight", "request_weight", "pending_ttl_s"), vals))
+        label = f"kv w={vals[0]:g} reuse={vals[1]:g}" + "".join(f" {k}={v:g}" for k, v in zip(("req", "pend"), vals[2:]))
+        runs.append((label, "kv", kv))
     return runs
 
 

@@ -75,8 +75,8 @@ def make_guards(cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> 
 def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastAPI:
     discovery = discovery or make_discovery(cfg)
     metrics = FrontendMetrics()
-    params = ({"overlap_weight": cfg.kv_overlap_weight, "reuse_weight": cfg.kv_reuse_weight, "temperature": cfg.router_temperature}
-              if cfg.policy == "kv" else {})
+    params = ({"overlap_weight": cfg.kv_overlap_weight, "reuse_weight": cfg.kv_reuse_weight, "request_weight": cfg.kv_request_weight,
+               "pending_ttl_s": cfg.kv_pending_ttl_s, "temperature": cfg.router_temperature} if cfg.policy == "kv" else {})
     router = Router(build_policy(cfg.policy, **params))
     ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor)
@@ -216,6 +216,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
                 "generation_tokens": m.generation_tokens if m else None,
             })
         kv = {"indexed_blocks": router.kv_index.tree_sizes() if router.kv_index is not None else None,
+              "pending_blocks": router.kv_index.pending_blocks() if router.kv_index is not None else None,
               "events": ingestor.stats() if ingestor else None}
         return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers, "kv": kv})
 

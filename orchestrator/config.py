@@ -37,22 +37,28 @@ class FrontendConfig(BaseModel):
     port: int = 8000
     grpc_port: int = Field(0, ge=0, le=65535)  # KServe v2 gRPC endpoint; 0: off (the CLI defaults it to 8001)
     policy: str = "kv"  # kv | least-loaded | round-robin | random
-    # kv: weight of uncached prefill blocks against decode blocks (Dynamo: 1). With the reuse credit below it sets how
-    # much decode load a cache hit outweighs (with reuse 1 it scaled both sides of the prefill term, and 1-8 moved
-    # nothing: routing_sweep.md). 8, measured with reuse 16 in benchmarks/results/routing_overlap_sweep*.md: Mooncake
-    # trace at 59k blocks hits 15.2% / 15.6% / 15.8% (92.5 / 95.0 / 96.2% of the fleet bound) and TTFT p90 842 / 790 /
-    # 786 ms for 4 / 8 / 16; at 16k blocks and on shared prefixes all equal within noise. 16 would pile a hot prefix
-    # whose copies the index never learns onto its holder (46 of 64 requests; 8: 36; test_kv_policy.py). (16, reuse 8)
-    # hit 95.0% vs 93.7% of the bound beside these weights (3 rounds, routing_pairs_repeats.md) but kept a hot prefix
-    # with short suffixes on its holder: 12 concurrent requests all on one of two real vLLM engines
-    # (test_kv_routing_vllm.py; a 10-block hit then outweighs 16 requests' decode blocks), so not the default.
-    kv_overlap_weight: float = Field(8.0, ge=0)
+    # kv cost (router/plugins/kv.py): overlap weight 16, reuse 8, request weight 16, with pending predictions (10 s),
+    # chosen side by side on the Mooncake trace at the H200's 59k blocks, 3 rounds (routing_pending_ab.md): hits 96.7%
+    # of the fleet bound (rounds 95.3-96.8%) and TTFT p90 777 ms / p50 298 ms, vs 94.1% (93.2-95.5%), 854 / 357 ms at
+    # the earlier (8, 16, 0, no predictions); (16, 16, 16) read 95.7%, 804 ms. The older sweeps, at request weight 0
+    # and no predictions: routing_overlap_sweep*.md, routing_reuse*.md, routing_pairs_*.md.
+    # kv: weight of uncached prefill blocks against decode blocks (Dynamo: 1): how much decode load a cache hit
+    # outweighs. High weights alone piled a hot prefix onto its one holder (46 of 64 concurrent requests at 16 with
+    # reuse 16; all 12 on one of two real vLLM engines at (16, 8)): the request weight and the pending predictions
+    # below are what make 16 safe (test_kv_policy.py, tests/integration/test_kv_routing_vllm.py).
+    kv_overlap_weight: float = Field(16.0, ge=0)
     # kv: how many tokens of a worker's pending prefill one prompt token cached there is worth (the credit stops at
-    # an empty prefill queue, so it never outweighs decode load). 1 is Dynamo's TTFT-greedy trade; 16, measured in
-    # benchmarks/results/routing_reuse.md: on the Mooncake trace (59k blocks) hits 11.9% -> 15.2% (73% -> 93% of the
-    # fleet bound), on shared prefixes 76.8% -> 79.3% (95% -> 98%), TTFT equal within run-to-run noise. A prefix
-    # recomputed elsewhere costs the fleet that compute again, which the greedy trade ignores.
-    kv_reuse_weight: float = Field(16.0, ge=0)
+    # an empty prefill queue, so it never outweighs decode load). 1 is Dynamo's TTFT-greedy trade, which ignores that
+    # a prefix recomputed elsewhere costs the fleet that compute again: at overlap weight 4, reuse 1 vs 16 hit 73% vs
+    # 93% of the trace's bound (routing_reuse.md).
+    kv_reuse_weight: float = Field(8.0, ge=0)
+    # kv: blocks of decode load each request in flight on a worker costs beyond the blocks it holds (a batch slot).
+    # 0 is Dynamo's blocks-only load, under which a long cached prefix with short suffixes outweighs many requests.
+    kv_request_weight: float = Field(16.0, ge=0)
+    # kv: how long a routed request's blocks count as cached on its worker before the engine's events confirm them
+    # (router/kv_index.py, pending predictions): a burst on one prefix then replicates it instead of piling onto
+    # the one holder the events know of. 0: only what events report.
+    kv_pending_ttl_s: float = Field(10.0, ge=0)
     router_temperature: float = Field(0.0, ge=0)  # kv: 0 = argmin of the cost, > 0 = softmax sampling
     redis_url: str | None = None  # None -> in-memory discovery (embedded default)
     discovery_prefix: str = "kvyard"

@@ -4,11 +4,12 @@
       add(keys, slot) -> keys that already had the slot's bit      (mask |= bit)
       remove(keys, slot)                                            (mask &= ~bit; 0 -> deleted)
       get(key) -> mask (0 when absent);  len(table) -> entries;  nbytes -> memory held
-      match(keys) -> [(depth, mask), ...]
+      match(keys, also=None) -> [(depth, mask), ...]
+          mask(key) = the table's mask | also's (another MaskTable, e.g. pending predictions), then
           active = mask(keys[0]); for k >= 1: kept = mask(keys[k]) & active; where kept != active
           the workers in active & ~kept matched exactly k blocks -> (k, active & ~kept); stop when
           nothing is active; workers active after the last key matched all: (len(keys), active).
-    kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0) -> {worker_id: score}
+    kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0, request_weight=0.0) -> {worker_id: score}
           the kv cost scorer (formula in router/plugins/kv.py), bit-identical floats in both.
     rank_by_score(scores, endpoints, r) -> endpoints, highest score first (missing: 0.0), ties in
           input order, except that the leaders tied for first are rotated by r % their count.
@@ -66,11 +67,17 @@ class PyMaskTable:
             else:
                 del d[k]
 
-    def match(self, keys) -> list[tuple[int, int]]:
+    def match(self, keys, also: "PyMaskTable | None" = None) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
         if not keys:
             return out
-        get = self._d.get
+        if also is not None and len(also):
+            own, other = self._d.get, also._d.get
+
+            def get(k, default=0):
+                return own(k, 0) | other(k, 0)
+        else:
+            get = self._d.get
         active = get(keys[0], 0)
         for k in range(1, len(keys)):
             if not active:
@@ -85,7 +92,7 @@ class PyMaskTable:
 
 
 def py_kv_logits(endpoints, overlaps: dict[str, int], isl: int, hashed_block_size: int, overlap_weight: float,
-                 reuse_weight: float = 1.0) -> list[float]:
+                 reuse_weight: float = 1.0, request_weight: float = 0.0) -> list[float]:
     """logit(w) per endpoint, in endpoint order (lower is better): the cost of router/plugins/kv.py."""
     logits = []
     for ep in endpoints:
@@ -99,13 +106,16 @@ def py_kv_logits(endpoints, overlaps: dict[str, int], isl: int, hashed_block_siz
         pfe = pf - credit
         if credit > 0 and pfe < 0:
             pfe = pf if pf < 0 else 0.0
-        logits.append(overlap_weight * ((isl - ov * bs) + pfe) / bs + (-(-isl // bs) - ov + ld.active_blocks))
+        logit = overlap_weight * ((isl - ov * bs) + pfe) / bs + (-(-isl // bs) - ov + ld.active_blocks)
+        if request_weight != 0.0:
+            logit += request_weight * ld.inflight_requests
+        logits.append(logit)
     return logits
 
 
 def py_kv_scores(endpoints, overlaps: dict[str, int], isl: int, hashed_block_size: int, overlap_weight: float,
-                 reuse_weight: float = 1.0) -> dict[str, float]:
-    logits = py_kv_logits(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight)
+                 reuse_weight: float = 1.0, request_weight: float = 0.0) -> dict[str, float]:
+    logits = py_kv_logits(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight, request_weight)
     hi = max(logits)
     span = hi - min(logits)
     wids = [ep.worker_id for ep in endpoints]

@@ -23,7 +23,7 @@
  *           the workers in active & ~kept matched exactly k blocks -> (k, active & ~kept); stops when
  *           nothing is active; the workers active after the last key matched all: (len(keys), active).
  *
- *   kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0) -> {worker_id: score}
+ *   kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0, request_weight=0.0) -> {worker_id: score}
  *       Dynamo's routing cost per endpoint, normalised to [0, 1]; the formula is in
  *       router/plugins/kv.py, whose Python version gives bit-identical floats.
  *   rank_by_score(scores, endpoints, r) -> endpoints, highest score first (missing: 0.0), ties in
@@ -601,25 +601,62 @@ emit(PyObject *out, Py_ssize_t depth, PyObject *mask)
     return rc;
 }
 
-/* match(keys) -> [(depth, mask)]: see the header comment. The keys are converted first, then
- * probed with the home slot of the key PREFETCH places ahead already requested from memory, so
- * the cache misses of a long walk overlap instead of adding up. */
+/* match(keys, also=None) -> [(depth, mask)]: see the header comment; with `also` (another MaskTable) each key's
+ * mask is the OR of both tables' (the index's pending predictions beside its event-fed entries). The keys are
+ * converted first, then probed with the home slot of the key PREFETCH places ahead already requested from memory,
+ * so the cache misses of a long walk overlap instead of adding up. */
 #define PREFETCH 32
 
-static PyObject *
-MaskTable_match(MaskTable *t, PyObject *keys)
+static PyTypeObject MaskTableType;
+
+static inline int
+mask_of(const MaskTable *t, const MaskTable *o, uint64_t key, uint64_t *m, int W)
 {
+    int any = 0;
+    memset(m, 0, sizeof(uint64_t) * (size_t)W);
+    Py_ssize_t i = find(t, key);
+    if (i >= 0) {
+        memcpy(m, ENTRY(t, i) + 1, sizeof(uint64_t) * (size_t)t->words);
+        any = 1;
+    }
+    if (o != NULL && (i = find(o, key)) >= 0) {
+        const uint64_t *e = ENTRY(o, i) + 1;
+        for (int w = 0; w < o->words; w++)
+            m[w] |= e[w];
+        any = 1;
+    }
+    return any;
+}
+
+static PyObject *
+mask_to_long_w(int words, const uint64_t *mask)
+{
+    MaskTable shape;
+    shape.words = words;
+    return mask_to_long(&shape, mask);
+}
+
+static PyObject *
+MaskTable_match(MaskTable *t, PyObject *args)
+{
+    PyObject *keys, *also = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O", &keys, &also))
+        return NULL;
+    if (also != Py_None && !PyObject_TypeCheck(also, &MaskTableType)) {
+        PyErr_SetString(PyExc_TypeError, "match: `also` must be a MaskTable or None");
+        return NULL;
+    }
+    const MaskTable *o = (also == Py_None || ((MaskTable *)also)->used == 0) ? NULL : (MaskTable *)also;
     Keys ks;
     if (keys_open(keys, &ks) < 0)
         return NULL;
     Py_ssize_t n = ks.n;
-    const int W = t->words;
-    uint64_t stack[16], kstack[512];
-    uint64_t *active = W <= 8 ? stack : PyMem_Malloc(sizeof(uint64_t) * 2 * W);
+    const int W = o != NULL && o->words > t->words ? o->words : t->words;
+    uint64_t stack[24], kstack[512];
+    uint64_t *active = W <= 8 ? stack : PyMem_Malloc(sizeof(uint64_t) * 3 * W);
     uint64_t *hk = ks.raw != NULL ? (uint64_t *)ks.raw : n <= 512 ? kstack : PyMem_Malloc(sizeof(uint64_t) * (size_t)n);
-    uint64_t *dropped = active ? active + W : NULL;
+    uint64_t *dropped = active ? active + W : NULL, *m = active ? active + 2 * W : NULL;
     PyObject *out = PyList_New(0);
-    Py_ssize_t i;
     if (active == NULL || hk == NULL || out == NULL) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
@@ -630,31 +667,34 @@ MaskTable_match(MaskTable *t, PyObject *keys)
     for (Py_ssize_t k = 0; ks.raw == NULL && k < n; k++)
         if (key_of(ks.items[k], &hk[k]) < 0)
             goto fail;
-    for (Py_ssize_t k = 1; k < n && k < PREFETCH; k++)
+    for (Py_ssize_t k = 1; k < n && k < PREFETCH; k++) {
         __builtin_prefetch(ENTRY(t, home(t, hk[k])));
-    i = find(t, hk[0]);
-    if (i < 0)
+        if (o != NULL)
+            __builtin_prefetch(ENTRY(o, home(o, hk[k])));
+    }
+    if (!mask_of(t, o, hk[0], active, W))
         goto done;
-    memcpy(active, ENTRY(t, i) + 1, sizeof(uint64_t) * W);
     for (Py_ssize_t k = 1; k < n; k++) {
-        if (k + PREFETCH < n)
+        if (k + PREFETCH < n) {
             __builtin_prefetch(ENTRY(t, home(t, hk[k + PREFETCH])));
-        i = find(t, hk[k]);
-        const uint64_t *m = i < 0 ? NULL : ENTRY(t, i) + 1;
+            if (o != NULL)
+                __builtin_prefetch(ENTRY(o, home(o, hk[k + PREFETCH])));
+        }
+        mask_of(t, o, hk[k], m, W);
         int changed = 0, left = 0;
         for (int w = 0; w < W; w++) {
-            uint64_t kept = m ? (m[w] & active[w]) : 0;
+            uint64_t kept = m[w] & active[w];
             dropped[w] = active[w] & ~kept;
             changed |= dropped[w] != 0;
             active[w] = kept;
             left |= kept != 0;
         }
-        if (changed && emit(out, k, mask_to_long(t, dropped)) < 0)
+        if (changed && emit(out, k, mask_to_long_w(W, dropped)) < 0)
             goto fail;
         if (!left)
             goto done;
     }
-    if (emit(out, n, mask_to_long(t, active)) < 0)
+    if (emit(out, n, mask_to_long_w(W, active)) < 0)
         goto fail;
 done:
     if (active != stack)
@@ -683,7 +723,7 @@ static PyMethodDef MaskTable_methods[] = {
     {"add", (PyCFunction)MaskTable_add, METH_VARARGS, "add(keys, slot) -> keys that already had the slot's bit"},
     {"remove", (PyCFunction)MaskTable_remove, METH_VARARGS, "remove(keys, slot) -> None"},
     {"get", (PyCFunction)MaskTable_get, METH_O, "get(key) -> mask (0 when absent)"},
-    {"match", (PyCFunction)MaskTable_match, METH_O, "match(keys) -> [(depth, mask)]"},
+    {"match", (PyCFunction)MaskTable_match, METH_VARARGS, "match(keys, also=None) -> [(depth, mask)]"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -756,7 +796,7 @@ slot_get(SlotCache *c, PyObject *obj, PyObject *const *names, int n, int i)
     return PyObject_GetAttr(obj, names[i]);
 }
 
-static PyObject *EP_NAMES[3], *LOAD_NAMES[2]; /* worker_id, block_size, load; prefill_tokens, active_blocks */
+static PyObject *EP_NAMES[3], *LOAD_NAMES[3]; /* worker_id, block_size, load; prefill_tokens, active_blocks, inflight_requests */
 static SlotCache ep_cache, load_cache;
 
 static int
@@ -780,15 +820,16 @@ kv_scores(PyObject *self, PyObject *args)
 {
     PyObject *endpoints, *overlaps;
     long long isl, hashed;
-    double weight, reuse = 1.0;
-    if (!PyArg_ParseTuple(args, "O!O!LLd|d", &PyList_Type, &endpoints, &PyDict_Type, &overlaps, &isl, &hashed, &weight, &reuse))
+    double weight, reuse = 1.0, per_request = 0.0;
+    if (!PyArg_ParseTuple(args, "O!O!LLd|dd", &PyList_Type, &endpoints, &PyDict_Type, &overlaps, &isl, &hashed, &weight, &reuse,
+                          &per_request))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(endpoints);
     double stackl[128];
     PyObject *stackw[128];
     double *logit = n <= 128 ? stackl : PyMem_Malloc(sizeof(double) * (size_t)n);
     PyObject **wids = n <= 128 ? stackw : PyMem_Malloc(sizeof(PyObject *) * (size_t)n);
-    PyObject *out = NULL, *bso = NULL, *load = NULL, *pfo = NULL, *abo = NULL;
+    PyObject *out = NULL, *bso = NULL, *load = NULL, *pfo = NULL, *abo = NULL, *rqo = NULL;
     Py_ssize_t nw = 0;
     if (logit == NULL || wids == NULL) {
         PyErr_NoMemory();
@@ -818,16 +859,19 @@ kv_scores(PyObject *self, PyObject *args)
             if (o != NULL && (ov = PyLong_AsLongLong(o)) == -1 && PyErr_Occurred())
                 goto cleanup;
         }
-        double pf, ab;
+        double pf, ab, rq = 0.0;
         if ((load = slot_get(&ep_cache, ep, EP_NAMES, 3, 2)) == NULL)
             goto cleanup;
-        if ((pfo = slot_get(&load_cache, load, LOAD_NAMES, 2, 0)) == NULL || as_double(pfo, &pf) < 0)
+        if ((pfo = slot_get(&load_cache, load, LOAD_NAMES, 3, 0)) == NULL || as_double(pfo, &pf) < 0)
             goto cleanup;
-        if ((abo = slot_get(&load_cache, load, LOAD_NAMES, 2, 1)) == NULL || as_double(abo, &ab) < 0)
+        if ((abo = slot_get(&load_cache, load, LOAD_NAMES, 3, 1)) == NULL || as_double(abo, &ab) < 0)
+            goto cleanup;
+        if (per_request != 0.0 && ((rqo = slot_get(&load_cache, load, LOAD_NAMES, 3, 2)) == NULL || as_double(rqo, &rq) < 0))
             goto cleanup;
         Py_CLEAR(load);
         Py_CLEAR(pfo);
         Py_CLEAR(abo);
+        Py_CLEAR(rqo);
         long long nb = (isl + bs - 1) / bs;
         /* reuse credit: each cached token offsets (reuse - 1) tokens of this worker's pending prefill, down to
            none pending; it never outweighs decode load (router/plugins/kv.py) */
@@ -835,6 +879,8 @@ kv_scores(PyObject *self, PyObject *args)
         if (credit > 0 && pfe < 0)
             pfe = pf < 0 ? pf : 0.0;
         logit[k] = weight * ((double)(isl - ov * bs) + pfe) / (double)bs + ((double)(nb - ov) + ab);
+        if (per_request != 0.0) /* each request in flight holds a batch slot beyond its blocks */
+            logit[k] += per_request * rq;
     }
     double lo = 0, hi = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -856,6 +902,7 @@ cleanup:
     Py_XDECREF(load);
     Py_XDECREF(pfo);
     Py_XDECREF(abo);
+    Py_XDECREF(rqo);
     for (Py_ssize_t i = 0; i < nw; i++)
         Py_DECREF(wids[i]);
     if (logit != stackl)
@@ -973,7 +1020,7 @@ static PyMethodDef methods[] = {
     {"rank_by_score", rank_by_score, METH_VARARGS,
      "rank_by_score(scores, endpoints, r) -> endpoints by score, highest first; the tied leaders rotated by r % ties"},
     {"kv_scores", kv_scores, METH_VARARGS,
-     "kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0) -> {worker_id: score in [0, 1]}"},
+     "kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0, request_weight=0.0) -> {worker_id: score in [0, 1]}"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -986,11 +1033,12 @@ PyInit__kvcore(void)
 {
     if (PyType_Ready(&MaskTableType) < 0)
         return NULL;
-    const char *ep_names[3] = {"worker_id", "block_size", "load"}, *load_names[2] = {"prefill_tokens", "active_blocks"};
+    const char *ep_names[3] = {"worker_id", "block_size", "load"}, *load_names[3] = {"prefill_tokens", "active_blocks",
+                                                                              "inflight_requests"};
     for (int i = 0; i < 3; i++)
         if ((EP_NAMES[i] = PyUnicode_InternFromString(ep_names[i])) == NULL)
             return NULL;
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 3; i++)
         if ((LOAD_NAMES[i] = PyUnicode_InternFromString(load_names[i])) == NULL)
             return NULL;
     if ((ENGINE_NAMES[0] = PyUnicode_InternFromString("engine_waiting")) == NULL ||

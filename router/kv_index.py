@@ -20,6 +20,15 @@ Only the GPU tier (medium None or "GPU") is indexed; offload tiers are ignored. 
 raises KvEventRejected and leaves the index exactly as it was. Store and remove cost a few dict
 operations per block, done in C batches (measured in benchmarks/router_micro.py).
 
+Pending predictions (event-fed workers): a request's blocks are cached on its worker only once its prefill has run
+and the engine's BlockStored events have come back, so a burst of requests on one prefix would all see the
+same single holder. `record_routed` therefore also marks the blocks a routed request will store (those past
+what the worker already holds) as pending there, in a second table (`pending`) that matching ORs into the
+owners, for `pending_ttl_s` (default 10 s, 0: off; entries go in batches, between 1 and 1.25 TTL old; at most
+`approx_max_blocks` per worker, oldest dropped first). The events confirm them in the owners table long before;
+a request that fails leaves a stale prediction for at most that long. A worker's clear or removal drops its
+predictions too.
+
 Workers with no event source run in approximate mode: `record_routed` (called by the router at
 booking time) predicts that the request's blocks are now cached there, for `approx_ttl_s`
 (default 120 s, as Dynamo) and at most `approx_max_blocks` per worker (default 2^17, pruned to
@@ -33,6 +42,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -58,6 +68,8 @@ class _Worker:
     blocks: dict[int, int] = field(default_factory=dict)
     extra: dict[int, int] = field(default_factory=dict)
     predicted: Predicted | None = None
+    pending: deque = field(default_factory=deque)  # (expires_at, hashes) of routed requests, oldest first
+    pending_size: int = 0  # hashes in `pending`, counted once per request
     events: int = 0
     routed: int = 0
 
@@ -71,6 +83,7 @@ class KvIndex:
         auto_approximate: bool = True,
         silent_warn_after: int = 50,
         clock: Callable[[], float] = time.monotonic,
+        pending_ttl_s: float = 10.0,
     ) -> None:
         self.approx_ttl_s = approx_ttl_s
         self.approx_max_blocks = approx_max_blocks
@@ -78,7 +91,9 @@ class KvIndex:
         self.auto_approximate = auto_approximate
         self.silent_warn_after = silent_warn_after
         self.clock = clock
+        self.pending_ttl_s = pending_ttl_s
         self._owners = MaskTable()
+        self._pending = MaskTable()  # our hash -> workers with a routed request whose blocks no event has confirmed yet
         self._workers: dict[str, _Worker] = {}
         self._by_slot: list[_Worker | None] = []
         self._free: list[int] = []
@@ -130,6 +145,10 @@ class KvIndex:
         if w.predicted is not None:
             self._owners.remove(list(w.predicted.all()), w.slot)
             w.predicted.clear()
+        for _, hashes in w.pending:
+            self._pending.remove(hashes, w.slot)
+        w.pending.clear()
+        w.pending_size = 0
 
     def workers(self) -> list[str]:
         return sorted(self._workers)
@@ -146,8 +165,12 @@ class KvIndex:
         }
 
     def __len__(self) -> int:
-        """Distinct block hashes indexed (over all workers)."""
+        """Distinct block hashes indexed (over all workers; pending predictions not counted)."""
         return len(self._owners)
+
+    def pending_blocks(self) -> int:
+        """Distinct block hashes pending on some worker (routed there, not yet confirmed by its events)."""
+        return len(self._pending)
 
     @property
     def nbytes(self) -> int:
@@ -272,15 +295,16 @@ class KvIndex:
             return {}
         out: dict[str, int] = {}
         by_slot = self._by_slot
-        for depth, mask in self._owners.match(hashes):
+        for depth, mask in self._owners.match(hashes, self._pending):
             while mask:
                 low = mask & -mask
                 out[by_slot[low.bit_length() - 1].worker_id] = depth
                 mask ^= low
         return out
 
-    def record_routed(self, worker_id: str, hashes: list[int], now: float | None = None) -> None:
-        """A request with these block hashes was routed to `worker_id` (approximate mode bookkeeping)."""
+    def record_routed(self, worker_id: str, hashes: list[int], now: float | None = None, cached: int = 0) -> None:
+        """A request with these block hashes was routed to `worker_id`, where its first `cached` blocks are held:
+        approximate mode's predictions, or an event-fed worker's pending ones."""
         w = self._workers.get(worker_id)
         if w is None:
             if not self.auto_approximate:
@@ -292,6 +316,17 @@ class KvIndex:
         if p is None:
             if w.events == 0 and w.routed == self.silent_warn_after:
                 log.warning("worker %s: %d requests routed and not one KV event received; is its KV event publisher on?", worker_id, w.routed)
+            if self.pending_ttl_s > 0:
+                now = self.clock() if now is None else now
+                if w.pending:
+                    self._expire_pending(w, now)
+                if cached < len(hashes):
+                    new = hashes[cached:]
+                    self._pending.add(new, w.slot)
+                    w.pending.append((now + self.pending_ttl_s, new))
+                    w.pending_size += len(new)
+                    if w.pending_size > self.approx_max_blocks:
+                        self._drop_pending(w, float("inf"), int(self.approx_max_blocks * self.approx_prune_ratio))
             return
         if not hashes:
             return
@@ -303,11 +338,33 @@ class KvIndex:
             self._owners.remove(p.prune(int(self.approx_max_blocks * self.approx_prune_ratio)), w.slot)
 
     def expire(self, now: float | None = None) -> None:
-        """Drop predicted entries older than the TTL (call every few seconds)."""
+        """Drop predicted and pending entries older than their TTL (call every few seconds)."""
         now = self.clock() if now is None else now
         for w in self._workers.values():
             if w.predicted is not None:
                 self._expire_worker(w, now)
+            if w.pending:
+                self._expire_pending(w, now)
+
+    def _expire_pending(self, w: _Worker, now: float) -> None:
+        """Drop the worker's pending predictions past their TTL, in batches: only once the oldest is a quarter TTL
+        late, then everything expired."""
+        q = w.pending
+        if q and now >= q[0][0] + self.pending_ttl_s / 4:
+            self._drop_pending(w, now, float("inf"))
+
+    def _drop_pending(self, w: _Worker, expired_by: float, keep_at_most: float) -> None:
+        """Drop the oldest predictions while they expire by `expired_by` or more than `keep_at_most` blocks are
+        pending (the cap is approx_max_blocks, as in approximate mode). The table keeps one bit per (hash, worker),
+        so the bits of the dropped are cleared and those of the rest set again (a request sharing blocks with a
+        dropped one keeps them)."""
+        q, table, slot = w.pending, self._pending, w.slot
+        while q and (q[0][0] <= expired_by or w.pending_size > keep_at_most):
+            hashes = q.popleft()[1]
+            w.pending_size -= len(hashes)
+            table.remove(hashes, slot)
+        for _, hashes in q:
+            table.add(hashes, slot)
 
     def _expire_worker(self, w: _Worker, now: float) -> None:
         dropped = w.predicted.expire(now)

@@ -6,8 +6,8 @@
     least-loaded       load (1.0)           max-score (random tie-break)   -
     kv                 kv cost (1.0)        max-score, or softmax(T > 0)   KvIndex
 
-kv parameters: overlap_weight (1.0), reuse_weight (1.0), temperature (0.0), index (a KvIndex to share, e.g. with the
-event ingestor; a new one by default), seed (picker RNG, for tests). Factories are the single
+kv parameters: overlap_weight (1.0), reuse_weight (1.0), request_weight (0.0), temperature (0.0), index (a KvIndex to share, e.g. with the
+event ingestor; a new one by default, with `pending_ttl_s` when given), seed (picker RNG, for tests). Factories are the single
 table of names.
 """
 
@@ -33,9 +33,12 @@ class Policy:
 
 
 def _kv(overlap_weight: float = 1.0, temperature: float = 0.0, index: KvIndex | None = None, seed: int | None = None,
-        reuse_weight: float = 1.0) -> Policy:
+        reuse_weight: float = 1.0, request_weight: float = 0.0, pending_ttl_s: float | None = None) -> Policy:
     picker = SoftmaxPicker(temperature, seed) if temperature > 0 else MaxScorePicker(seed)
-    return Policy("kv", picker, [(KvCostScorer(overlap_weight, reuse_weight), 1.0)], index if index is not None else KvIndex())
+    scorer = KvCostScorer(overlap_weight, reuse_weight, request_weight)
+    if index is None:
+        index = KvIndex() if pending_ttl_s is None else KvIndex(pending_ttl_s=pending_ttl_s)
+    return Policy("kv", picker, [(scorer, 1.0)], index)
 
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {

@@ -64,7 +64,7 @@ class Router:
         self.loads.on_routed(request.request_id, wid, request.isl, bs, cached_tokens=cached)
         index = self.policy.index
         if index is not None and request.block_hashes and bs == request.hashed_block_size:
-            index.record_routed(wid, request.block_hashes)
+            index.record_routed(wid, request.block_hashes, cached=cached // bs)
 
     def on_first_token(self, request_id: str) -> None:
         self.loads.on_first_token(request_id)

@@ -8,18 +8,25 @@ For a request of isl prompt tokens and each endpoint w with block size B:
     pending(w)        = max(0, active_prefill_tokens(w) - credit(w))      (= active_prefill_tokens(w) at reuse 1)
     prefill_tokens(w) = isl - overlap(w)·B + pending(w)
     decode_blocks(w)  = (request_blocks - overlap(w)) + active_blocks(w)
-    logit(w)          = overlap_weight · prefill_tokens(w) / B + decode_blocks(w)      (lower is better)
+    logit(w)          = overlap_weight · prefill_tokens(w) / B + decode_blocks(w)
+                        + request_weight · inflight_requests(w)                          (lower is better)
     score(w)          = (max_logit - logit(w)) / (max_logit - min_logit)   in [0, 1];  all 1.0 when equal
 
-Defaults here (as Dynamo, reference/dynamo.md §2.4): overlap_weight = 1.0, reuse_weight = 1.0, temperature = 0.
+Defaults here (as Dynamo, reference/dynamo.md §2.4): overlap_weight = 1.0, reuse_weight = 1.0, request_weight = 0,
+temperature = 0.
 With reuse_weight 1 the prefill term trades a cached prompt token 1:1 against a token of other requests' pending
 prefill: the choice that minimises this request's own TTFT. It ignores that a prefix recomputed elsewhere costs
 the fleet that compute again (and a second copy of the blocks), which under load delays everyone after it;
 reuse_weight > 1 counts each cached token that many pending ones, but only against the worker's pending prefill
 (the credit stops at an empty prefill queue): it keeps a request with its cached prefix behind other prompts
-without ever outweighing decode load, so a hot prefix with short prompts still spreads. The frontend passes its own
-`kv_overlap_weight` (8) and `kv_reuse_weight` (16) (orchestrator/config.py; the sweeps behind those choices are
-benchmarks/results/routing_reuse*.md and routing_overlap_sweep*.md).
+without ever outweighing decode load, so a hot prefix with short prompts still spreads.
+request_weight prices each request in flight on w at that many blocks of decode load on top of the blocks it holds:
+a running sequence takes a batch slot whatever its length. Blocks alone let a long cached prefix with short
+suffixes outweigh many concurrent requests (a 10-block hit at overlap weight 16 outweighs 15 requests of 11
+blocks); with a per-request price the pile on the holder is bounded in requests too. Against long prompts (the
+trace's hundreds of blocks each) it changes almost nothing.
+The frontend passes its own `kv_overlap_weight`, `kv_reuse_weight` and `kv_request_weight` (orchestrator/config.py,
+which says which measurements chose them: benchmarks/results/routing_*.md).
 active_prefill_tokens and active_blocks are the router's own bookkeeping (router/load.py: booked at
 route time as the uncached prompt tokens and all prompt blocks, prefill released at the first
 token, blocks at completion, on every path), so a worker is never invisible as loaded.
@@ -40,19 +47,23 @@ from router.types import Endpoint, RouteRequest
 __all__ = ["KvCostScorer", "kv_logits"]
 
 
-def kv_logits(request: RouteRequest, endpoints: list[Endpoint], overlap_weight: float = 1.0, reuse_weight: float = 1.0) -> list[float]:
+def kv_logits(request: RouteRequest, endpoints: list[Endpoint], overlap_weight: float = 1.0, reuse_weight: float = 1.0,
+              request_weight: float = 0.0) -> list[float]:
     """logit(w) per endpoint, in endpoint order (lower is better). For tests and explanations."""
-    return py_kv_logits(endpoints, request.overlap_blocks, request.isl, request.hashed_block_size, overlap_weight, reuse_weight)
+    return py_kv_logits(endpoints, request.overlap_blocks, request.isl, request.hashed_block_size, overlap_weight, reuse_weight,
+                        request_weight)
 
 
 class KvCostScorer:
     name = "kv"
 
-    def __init__(self, overlap_weight: float = 1.0, reuse_weight: float = 1.0) -> None:
+    def __init__(self, overlap_weight: float = 1.0, reuse_weight: float = 1.0, request_weight: float = 0.0) -> None:
         self.overlap_weight = overlap_weight
         self.reuse_weight = reuse_weight
+        self.request_weight = request_weight
 
     def score(self, request: RouteRequest, endpoints: list[Endpoint]) -> dict[str, float]:
         # C kernel (or its Python twin in router/_kernels.py): kv_logits, then the normalisation above
         eps = endpoints if type(endpoints) is list else list(endpoints)
-        return kv_scores(eps, request.overlap_blocks, request.isl, request.hashed_block_size, self.overlap_weight, self.reuse_weight)
+        return kv_scores(eps, request.overlap_blocks, request.isl, request.hashed_block_size, self.overlap_weight, self.reuse_weight,
+                         self.request_weight)

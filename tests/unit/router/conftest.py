@@ -59,3 +59,11 @@ def assert_consistent(ix) -> None:
     assert len(ix._owners) == len(expected)
     for h, mask in expected.items():
         assert ix._owners.get(h) == mask, f"owners of {h}"
+    pending: dict[int, int] = {}  # the pending table: exactly the bits of each worker's live predictions
+    for w in ix._workers.values():
+        for _, hashes in w.pending:
+            for h in hashes:
+                pending[h] = pending.get(h, 0) | (1 << w.slot)
+    assert len(ix._pending) == len(pending)
+    for h, mask in pending.items():
+        assert ix._pending.get(h) == mask, f"pending owners of {h}"

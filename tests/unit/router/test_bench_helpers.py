@@ -148,9 +148,12 @@ def test_routing_disagg_reads_disagg_decisions_by_mode():
 
 def test_routing_run_list_sweeps_weights_and_pairs():
     from benchmarks.routing import build_parser, run_list
-    args = build_parser().parse_args(["--kv-reuse-weight", "16", "--overlap-weights", "4", "--kv-pairs", "16:8,2:1"])
+    args = build_parser().parse_args(["--kv-reuse-weight", "16", "--overlap-weights", "4", "--kv-pairs", "16:8,2:1,16:16:32"])
     runs = run_list(args, "kv,round-robin")
     assert runs == [("kv", "kv", {"reuse_weight": 16.0}), ("round-robin", "round-robin", {}),
                     ("kv w=4", "kv", {"reuse_weight": 16.0, "overlap_weight": 4.0}),
                     ("kv w=16 reuse=8", "kv", {"overlap_weight": 16.0, "reuse_weight": 8.0}),
-                    ("kv w=2 reuse=1", "kv", {"overlap_weight": 2.0, "reuse_weight": 1.0})]
+                    ("kv w=2 reuse=1", "kv", {"overlap_weight": 2.0, "reuse_weight": 1.0}),
+                    ("kv w=16 reuse=16 req=32", "kv", {"overlap_weight": 16.0, "reuse_weight": 16.0, "request_weight": 32.0})]
+    with pytest.raises(SystemExit):
+        run_list(build_parser().parse_args(["--kv-pairs", "16"]), "kv")

@@ -41,6 +41,42 @@ def test_mask_table_twins_agree(workers):
             assert a.match(hs) == a.match(as_view(hs)) == b.match(hs)
 
 
+@C
+@pytest.mark.parametrize("workers, also_workers", [(3, 3), (64, 70), (130, 10), (8, 200)])
+def test_match_with_a_second_table_ors_the_masks(workers, also_workers):
+    """match(keys, also): each key's mask is the OR of both tables' (tables of any widths); an empty or absent
+    second table changes nothing; C and Python agree."""
+    rng = random.Random(workers * 1000 + also_workers)
+    for trial in range(100):
+        a, b, pa, pb = _kernels.MaskTable(), _kernels.PyMaskTable(), _kernels.MaskTable(), _kernels.PyMaskTable()
+        keys = [rng.getrandbits(64) for _ in range(rng.choice([5, 40]))]
+        for table, twin, n in ((a, b, workers), (pa, pb, also_workers)):
+            for _ in range(rng.randrange(0, 25)):
+                ks = [rng.choice(keys) for _ in range(rng.randrange(0, 10))]
+                slot = rng.randrange(n)
+                table.add(ks, slot)
+                twin.add(ks, slot)
+        for _ in range(10):
+            hs = [rng.choice(keys) for _ in range(rng.randrange(0, 12))]
+            got = a.match(as_view(hs), pa)
+            assert got == a.match(hs, pa) == b.match(hs, pb)
+            masks = [a.get(h) | pa.get(h) for h in hs]  # the walk, from the OR'd masks
+            want, active = [], masks[0] if masks else 0
+            for k in range(1, len(hs)):
+                if not active:
+                    break
+                kept = masks[k] & active
+                if kept != active:
+                    want.append((k, active & ~kept))
+                    active = kept
+            if hs and active:
+                want.append((len(hs), active))
+            assert got == want
+            assert a.match(hs, _kernels.MaskTable()) == a.match(hs, None) == a.match(hs)
+    with pytest.raises(TypeError):
+        _kernels.MaskTable().match([1], {})
+
+
 def test_mask_table_grows_and_deletes_without_losing_entries():
     t = _kernels.MaskTable()
     keys = list(range(1, 20_000))

@@ -181,12 +181,73 @@ def test_approximate_mode_is_capped(impl):
 
 
 def test_events_switch_a_predicted_worker_to_exact(impl):
-    ix = KvIndex()
+    ix = KvIndex(pending_ttl_s=0)
     ix.record_routed("a", H)
     ix.apply("a", stored([1], None, 0))  # first real event: predictions dropped
     assert not ix.is_approximate("a") and ix.find_matches(H) == {"a": 1}
-    ix.record_routed("a", H)  # event-fed workers are not predicted
+    ix.record_routed("a", H)  # with pending predictions off, event-fed workers are not predicted
     assert ix.find_matches(H) == {"a": 1}
+    assert_consistent(ix)
+
+
+def test_pending_predictions_until_events_confirm_then_expire(impl):
+    """A request routed to an event-fed worker counts as cached there until its events come (pending), for
+    pending_ttl_s; only the blocks past what the worker holds are predicted, and the TTL ends them in batches."""
+    clock = Clock()
+    ix = KvIndex(pending_ttl_s=10, clock=clock)
+    ix.apply("a", stored([1, 2], None, 0))
+    ix.apply("b", stored([9], None, 0))
+    ix.record_routed("a", H, cached=2)  # blocks 2..7 will be stored by this request
+    assert ix.find_matches(H) == {"a": 8, "b": 1}
+    assert ix.pending_blocks() == 6 and len(ix) == 2 and ix.tree_sizes() == {"a": 2, "b": 1}
+    assert_consistent(ix)
+    clock.t = 1005.0
+    ix.record_routed("b", H[:4], cached=1)
+    assert ix.find_matches(H) == {"a": 8, "b": 4}
+    ix.apply("a", stored([3, 4, 5], 2, 2))  # the engine confirms part of it; the rest stays pending
+    assert ix.find_matches(H) == {"a": 8, "b": 4}
+    clock.t = 1011.0  # a's prediction is 1 s past its TTL: not yet (batches start a quarter TTL late)
+    ix.expire()
+    assert ix.find_matches(H) == {"a": 8, "b": 4}
+    clock.t = 1012.6
+    ix.expire()  # a's goes; what its events stored stays; b's (expires at 15) is live
+    assert ix.find_matches(H) == {"a": 5, "b": 4}
+    assert_consistent(ix)
+    clock.t = 1020.0
+    ix.record_routed("c", H, cached=0)  # expiry also runs on routing, per worker
+    ix.expire()
+    assert ix.find_matches(H) == {"a": 5, "b": 1, "c": 8}
+    assert_consistent(ix)
+
+
+def test_pending_predictions_are_capped_per_worker(impl):
+    ix = KvIndex(pending_ttl_s=10, approx_max_blocks=10, clock=Clock())
+    ix.add_worker("a", block_size=BS)
+    for i in range(6):
+        ix.record_routed("a", block_hashes([i] * 12, BS))  # 3 blocks each
+    assert ix._workers["a"].pending_size <= 10 and ix.pending_blocks() <= 10
+    assert ix.find_matches(block_hashes([5] * 12, BS)) == {"a": 3}  # the newest stay
+    assert ix.find_matches(block_hashes([0] * 12, BS)) == {}
+    assert_consistent(ix)
+
+
+def test_pending_predictions_shared_blocks_outlive_the_first_and_clear_with_the_worker(impl):
+    clock = Clock()
+    ix = KvIndex(pending_ttl_s=10, clock=clock)
+    ix.add_worker("a", block_size=BS)
+    ix.add_worker("b", block_size=BS)
+    ix.record_routed("a", H[:6])
+    clock.t = 1004.0
+    ix.record_routed("a", H[:3])  # shares the first three blocks: they live until this one expires
+    clock.t = 1013.0
+    ix.expire()
+    assert ix.find_matches(H) == {"a": 3}
+    assert_consistent(ix)
+    ix.record_routed("b", H)
+    ix.apply("a", AllBlocksCleared())  # a reset engine holds nothing: its predictions go with its blocks
+    assert ix.find_matches(H) == {"b": 8}
+    ix.remove_worker("b")
+    assert ix.find_matches(H) == {} and ix.pending_blocks() == 0
     assert_consistent(ix)
 
 

@@ -75,13 +75,16 @@ def test_c_and_python_scores_are_bit_identical():
     for _ in range(200):
         e = eps(rng.randrange(1, 80), bs=rng.choice([16, 32]))
         for ep in e:
-            ep.load = EndpointLoad(prefill_tokens=rng.randrange(0, 9000), active_blocks=rng.randrange(0, 900))
+            ep.load = EndpointLoad(prefill_tokens=rng.randrange(0, 9000), active_blocks=rng.randrange(0, 900),
+                                   inflight_requests=rng.randrange(0, 40))
             ep.block_size = rng.choice([16, 16, 32])
         ov = {ep.worker_id: rng.randrange(0, 300) for ep in e if rng.random() < 0.3}
         args = (e, ov, rng.randrange(0, 9000), 16, rng.choice([0.0, 1.0, 2.5]))
         assert kv_scores(*args) == py_kv_scores(*args)
         reuse = rng.choice([0.0, 1.0, 2.0, 3.5])
         assert kv_scores(*args, reuse) == py_kv_scores(*args, reuse)
+        per_request = rng.choice([0.0, 1.0, 16.0, 7.25])
+        assert kv_scores(*args, reuse, per_request) == py_kv_scores(*args, reuse, per_request)
 
 
 @pytest.mark.parametrize("reuse, expected", [(1.0, "w1"), (2.0, "w0")])
@@ -107,6 +110,20 @@ def test_reuse_credit_stops_at_an_empty_prefill_queue(impl):
     assert at[16.0] == at[1000.0] == [pytest.approx(4.0 * 1024 / 16 + 64 + 5000), pytest.approx(4.0 * 4096 / 16 + 256)]
     scores = KvCostScorer(4.0, 1000.0).score(r, e)
     assert max(scores, key=scores.get) == "w1"  # 5,000 active blocks outweigh the prefix, whatever the reuse weight
+
+
+def test_request_weight_prices_each_request_in_flight(impl):
+    """A long cached prefix with a short suffix (10 of 11 blocks cached) outweighs many short requests' blocks at
+    overlap weight 16; a price per request in flight bounds how many the holder takes before a copy elsewhere pays."""
+    e = eps(2)
+    e[0].load = EndpointLoad(prefill_tokens=0, active_blocks=8 * 11, inflight_requests=8)
+    r = RouteRequest("r", "m", list(range(176)), overlap_blocks={"w0": 10}, hashed_block_size=BS)
+    assert kv_logits(r, e, 16.0, 8.0) == [pytest.approx(16.0 * 16 / 16 + 1 + 88), pytest.approx(16.0 * 176 / 16 + 11)]
+    assert max(KvCostScorer(16.0, 8.0).score(r, e).items(), key=lambda kv: kv[1])[0] == "w0"  # 105 < 187: holder
+    assert kv_logits(r, e, 16.0, 8.0, 16.0)[0] == pytest.approx(105 + 16 * 8)
+    scores = KvCostScorer(16.0, 8.0, 16.0).score(r, e)
+    assert max(scores, key=scores.get) == "w1"  # 233 > 187: eight requests in flight are worth the copy
+    assert build_policy("kv", request_weight=16.0).scorers[0][0].request_weight == 16.0
 
 
 def test_cached_prefix_wins_when_load_is_equal(impl):
@@ -187,41 +204,49 @@ def test_affinity_survives_mild_imbalance(impl):
     assert picks == {"w3": 20}
 
 
-def test_hot_prefix_spreads_instead_of_piling_onto_one_worker(impl):
-    """One prefix, 64 concurrent requests, 8 workers, only w0 has the prefix cached (and the index
-    learns nothing more): w0 takes the most, but nobody sits idle and nobody takes a pile."""
-    r = Router("kv")
+def hot_prefix_picks(n: int = 64, **params) -> tuple[Router, Counter]:
+    """One prefix, n concurrent requests (none completes), 8 event-fed workers, only w0 has the prefix cached."""
+    r = Router(build_policy("kv", **params))
     e = eps(8)
     for ep in e:
-        r.kv_index.add_worker(ep.worker_id, block_size=BS)  # all event-fed: no predictions
+        r.kv_index.add_worker(ep.worker_id, block_size=BS)
     cache(r.kv_index, "w0", PREFIX)
-    picks = Counter(r.route(req(i), e).best.worker_id for i in range(64))  # none completes
+    return r, Counter(r.route(req(i), e).best.worker_id for i in range(n))
+
+
+def test_hot_prefix_spreads_instead_of_piling_onto_one_worker(impl):
+    """Without pending predictions the index learns nothing more during the burst (no request's prefill has
+    finished): w0 takes the most, but nobody sits idle and nobody takes a pile."""
+    _, picks = hot_prefix_picks(pending_ttl_s=0)
     assert len(picks) == 8
     assert picks.most_common(1)[0][0] == "w0" and 64 / 8 < picks["w0"] <= 2 * 64 / 8
 
 
-def test_hot_prefix_still_spreads_at_the_frontends_reuse_weight(impl):
-    """The frontend's kv_reuse_weight (16) values a cached token 16 pending ones: on the same worst case (the index
-    never learns the other copies) the holder takes more (36 of 64 at overlap weight 8, 29 at 4, 17 at reuse 1: each
-    request's 1,024 uncached tokens queue as prefill there, which the credit offsets), but the load term still
-    reaches every worker and the holder stays under 60% (at overlap weight 16: 46 of 64, which this would refuse)."""
+def test_hot_prefix_replicates_through_pending_predictions(impl):
+    """With them (the default), a request sent away from the holder makes its worker a holder at once: the burst
+    spreads evenly and every worker it reached holds the prefix, before any engine has said so."""
+    r, picks = hot_prefix_picks()
+    assert picks == {f"w{i}": 8 for i in range(8)}
+    held = r.kv_index.find_matches(block_hashes(PREFIX, BS))
+    assert all(held.get(w, 0) >= 192 for w in picks)
+    assert r.kv_index.tree_sizes()["w0"] == 192 and sum(r.kv_index.tree_sizes().values()) == 192  # events: w0 only
+
+
+def test_hot_prefix_at_the_frontends_weights(impl):
+    """The frontend's weights (orchestrator/config.py) value a cached block highly (overlap weight, reuse credit), so
+    the holder keeps more of a burst; pending predictions make each worker a request is sent to a holder too, so
+    the burst replicates the prefix instead of piling: nobody takes more than twice a fair share. Without the
+    predictions the same weights pile much more onto w0 (the index never learns the other copies in time)."""
     from orchestrator.config import FrontendConfig
 
     cfg = FrontendConfig()
-
-    def hot_prefix_picks(overlap_weight: float) -> Counter:
-        r = Router(build_policy("kv", overlap_weight=overlap_weight, reuse_weight=cfg.kv_reuse_weight))
-        e = eps(8)
-        for ep in e:
-            r.kv_index.add_worker(ep.worker_id, block_size=BS)
-        cache(r.kv_index, "w0", PREFIX)
-        return Counter(r.route(req(i), e).best.worker_id for i in range(64))
-
-    picks = hot_prefix_picks(cfg.kv_overlap_weight)
-    assert len(picks) == 8 and picks.most_common(1)[0][0] == "w0"
-    assert 2 * 64 / 8 < picks["w0"] <= 0.6 * 64
-    # why the default is not 16 (which hits 1.2 points more of the trace's bound): the holder would take over 60%
-    assert hot_prefix_picks(16.0)["w0"] > 0.6 * 64
+    weights = {"overlap_weight": cfg.kv_overlap_weight, "reuse_weight": cfg.kv_reuse_weight, "request_weight": cfg.kv_request_weight}
+    r, picks = hot_prefix_picks(pending_ttl_s=cfg.kv_pending_ttl_s, **weights)
+    assert picks.most_common(1)[0][1] <= 2 * 64 / 8 and len(picks) >= 5, picks
+    held = r.kv_index.find_matches(block_hashes(PREFIX, BS))
+    assert sum(1 for w in picks if held.get(w, 0) >= 192) >= len(picks) - 1  # one may hold a lone diverted request's
+    _, blind = hot_prefix_picks(pending_ttl_s=0, **weights)
+    assert blind["w0"] > 2 * 64 / 8 >= picks["w0"], blind
 
 
 def test_hot_prefix_replicates_in_approximate_mode(impl):
