@@ -471,6 +471,24 @@ keys_close(Keys *k)
     Py_XDECREF(k->seq);
 }
 
+/* Walks over many keys (add, remove, match) request the home slot of the key PREFETCH places ahead from memory
+ * first, so the cache misses of a big table overlap instead of adding up. */
+#define PREFETCH 32
+
+static inline void
+prefetch_key(const MaskTable *t, const Keys *ks, Py_ssize_t k)
+{
+    uint64_t key;
+    if (k < ks->n) {
+        if (ks->raw != NULL)
+            __builtin_prefetch(ENTRY(t, home(t, ks->raw[k])));
+        else if (key_of(ks->items[k], &key) == 0)
+            __builtin_prefetch(ENTRY(t, home(t, key)));
+        else
+            PyErr_Clear(); /* reported when the key itself is reached */
+    }
+}
+
 /* add(keys, slot) -> keys that already had the slot's bit */
 static PyObject *
 MaskTable_add(MaskTable *t, PyObject *args)
@@ -488,8 +506,11 @@ MaskTable_add(MaskTable *t, PyObject *args)
     if (keys_open(keys, &ks) < 0)
         return NULL;
     PyObject *had = PyList_New(0);
+    for (Py_ssize_t k = 0; k < PREFETCH; k++)
+        prefetch_key(t, &ks, k);
     for (Py_ssize_t k = 0; had && k < ks.n; k++) {
         uint64_t key;
+        prefetch_key(t, &ks, k + PREFETCH);
         if (keys_get(&ks, k, &key) < 0)
             goto fail;
         if ((t->used + 1) * 4 > t->cap * 3 && table_alloc(t, t->cap * 2, t->words) < 0)
@@ -557,8 +578,11 @@ MaskTable_remove(MaskTable *t, PyObject *args)
     Keys ks;
     if (keys_open(keys, &ks) < 0)
         return NULL;
+    for (Py_ssize_t k = 0; k < PREFETCH; k++)
+        prefetch_key(t, &ks, k);
     for (Py_ssize_t k = 0; k < ks.n; k++) {
         uint64_t key;
+        prefetch_key(t, &ks, k + PREFETCH);
         if (keys_get(&ks, k, &key) < 0) {
             keys_close(&ks);
             return NULL;
@@ -603,15 +627,14 @@ emit(PyObject *out, Py_ssize_t depth, PyObject *mask)
 
 /* match(keys, also=None) -> [(depth, mask)]: see the header comment; with `also` (another MaskTable) each key's
  * mask is the OR of both tables' (the index's pending predictions beside its event-fed entries). The keys are
- * converted first, then probed with the home slot of the key PREFETCH places ahead already requested from memory,
- * so the cache misses of a long walk overlap instead of adding up. */
-#define PREFETCH 32
-
+ * converted first, then probed with prefetch (above). */
 static PyTypeObject MaskTableType;
 
 static inline int
-mask_of(const MaskTable *t, const MaskTable *o, uint64_t key, uint64_t *m, int W)
+mask_of(const MaskTable *t, const MaskTable *o, uint64_t key, uint64_t *m, int W, const uint64_t *active)
 {
+    /* m = t's mask | o's mask for key; with `active`, o is only probed when t's mask lacks some active bit (the
+     * walk ANDs m with active, so o could add nothing else): a prefix the events know costs one probe per block */
     int any = 0;
     memset(m, 0, sizeof(uint64_t) * (size_t)W);
     Py_ssize_t i = find(t, key);
@@ -619,7 +642,16 @@ mask_of(const MaskTable *t, const MaskTable *o, uint64_t key, uint64_t *m, int W
         memcpy(m, ENTRY(t, i) + 1, sizeof(uint64_t) * (size_t)t->words);
         any = 1;
     }
-    if (o != NULL && (i = find(o, key)) >= 0) {
+    if (o == NULL)
+        return any;
+    if (active != NULL) {
+        int covered = 1;
+        for (int w = 0; w < W; w++)
+            covered &= (m[w] & active[w]) == active[w];
+        if (covered)
+            return any;
+    }
+    if ((i = find(o, key)) >= 0) {
         const uint64_t *e = ENTRY(o, i) + 1;
         for (int w = 0; w < o->words; w++)
             m[w] |= e[w];
@@ -667,20 +699,14 @@ MaskTable_match(MaskTable *t, PyObject *args)
     for (Py_ssize_t k = 0; ks.raw == NULL && k < n; k++)
         if (key_of(ks.items[k], &hk[k]) < 0)
             goto fail;
-    for (Py_ssize_t k = 1; k < n && k < PREFETCH; k++) {
+    for (Py_ssize_t k = 1; k < n && k < PREFETCH; k++)
         __builtin_prefetch(ENTRY(t, home(t, hk[k])));
-        if (o != NULL)
-            __builtin_prefetch(ENTRY(o, home(o, hk[k])));
-    }
-    if (!mask_of(t, o, hk[0], active, W))
+    if (!mask_of(t, o, hk[0], active, W, NULL))
         goto done;
     for (Py_ssize_t k = 1; k < n; k++) {
-        if (k + PREFETCH < n) {
+        if (k + PREFETCH < n)
             __builtin_prefetch(ENTRY(t, home(t, hk[k + PREFETCH])));
-            if (o != NULL)
-                __builtin_prefetch(ENTRY(o, home(o, hk[k + PREFETCH])));
-        }
-        mask_of(t, o, hk[k], m, W);
+        mask_of(t, o, hk[k], m, W, active);
         int changed = 0, left = 0;
         for (int w = 0; w < W; w++) {
             uint64_t kept = m[w] & active[w];

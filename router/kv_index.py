@@ -356,15 +356,14 @@ class KvIndex:
     def _drop_pending(self, w: _Worker, expired_by: float, keep_at_most: float) -> None:
         """Drop the oldest predictions while they expire by `expired_by` or more than `keep_at_most` blocks are
         pending (the cap is approx_max_blocks, as in approximate mode). The table keeps one bit per (hash, worker),
-        so the bits of the dropped are cleared and those of the rest set again (a request sharing blocks with a
-        dropped one keeps them)."""
+        so a younger prediction sharing blocks with a dropped one loses them early: by then (a TTL after the older
+        request was routed) the engine's events have long said whether the worker holds them. Clearing only the
+        dropped keeps the cost to the blocks dropped."""
         q, table, slot = w.pending, self._pending, w.slot
         while q and (q[0][0] <= expired_by or w.pending_size > keep_at_most):
             hashes = q.popleft()[1]
             w.pending_size -= len(hashes)
             table.remove(hashes, slot)
-        for _, hashes in q:
-            table.add(hashes, slot)
 
     def _expire_worker(self, w: _Worker, now: float) -> None:
         dropped = w.predicted.expire(now)

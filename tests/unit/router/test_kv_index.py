@@ -231,17 +231,19 @@ def test_pending_predictions_are_capped_per_worker(impl):
     assert_consistent(ix)
 
 
-def test_pending_predictions_shared_blocks_outlive_the_first_and_clear_with_the_worker(impl):
+def test_pending_predictions_drop_with_the_oldest_and_clear_with_the_worker(impl):
     clock = Clock()
     ix = KvIndex(pending_ttl_s=10, clock=clock)
     ix.add_worker("a", block_size=BS)
     ix.add_worker("b", block_size=BS)
     ix.record_routed("a", H[:6])
     clock.t = 1004.0
-    ix.record_routed("a", H[:3])  # shares the first three blocks: they live until this one expires
+    ix.record_routed("a", H[:6], cached=6)  # held (pending) already: nothing new to predict
+    ix.record_routed("a", H[:8], cached=6)  # only blocks 6 and 7 are new
+    assert ix.find_matches(H) == {"a": 8} and ix._workers["a"].pending_size == 8
     clock.t = 1013.0
-    ix.expire()
-    assert ix.find_matches(H) == {"a": 3}
+    ix.expire()  # the first prediction goes, with its six blocks: the second one's two no longer chain from the root
+    assert ix.find_matches(H) == {} and ix._workers["a"].pending_size == 2
     assert_consistent(ix)
     ix.record_routed("b", H)
     ix.apply("a", AllBlocksCleared())  # a reset engine holds nothing: its predictions go with its blocks
