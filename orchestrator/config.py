@@ -28,8 +28,9 @@ class DisaggConfig(BaseModel):
     handoff_retries: int = Field(1, ge=0, le=3)
     decode_overlap_weight: float = Field(0.0, ge=0)  # decode routing: kv cost prefill weight (Dynamo: 0)
     # prefill routing: the kv cost's reuse credit (router/plugins/kv.py); None: the frontend's kv_reuse_weight. The
-    # prefill pool is where a recomputed prefix costs compute; A/B in benchmarks/results/routing_disagg.md
-    prefill_reuse_weight: float | None = Field(None, ge=0)
+    # prefill pool is where a recomputed prefix costs compute; 16 is what was measured there (A/B vs 1 in
+    # benchmarks/results/routing_disagg.md), kept when the aggregated default moved to 8
+    prefill_reuse_weight: float | None = Field(16.0, ge=0)
 
 
 class FrontendConfig(BaseModel):

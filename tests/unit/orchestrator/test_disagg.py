@@ -521,11 +521,14 @@ async def test_sglang_decode_never_prefills_locally(stack):
         assert stack.decisions("remote", "decode_cannot_prefill") == 1
 
 
-def test_prefill_router_takes_the_frontends_reuse_credit_unless_set():
-    """The prefill pool routes on the aggregated router's cost (overlap weight, reuse credit) unless
-    disagg.prefill_reuse_weight says otherwise (benchmarks/results/routing_disagg.md measures both)."""
-    for disagg, want in ((DisaggConfig(), 16.0), (DisaggConfig(prefill_reuse_weight=1), 1.0), (DisaggConfig(prefill_reuse_weight=0), 0.0)):
-        app = create_app(FrontendConfig(kv_overlap_weight=8, kv_reuse_weight=16, disagg=disagg), InMemoryDiscovery())
+def test_prefill_router_reuse_credit():
+    """The prefill pool routes on the aggregated router's overlap weight with the reuse credit measured there (16,
+    benchmarks/results/routing_disagg.md), whatever the aggregated default; disagg.prefill_reuse_weight None takes
+    the frontend's kv_reuse_weight."""
+    cases = ((DisaggConfig(), 16.0), (DisaggConfig(prefill_reuse_weight=None), 3.0), (DisaggConfig(prefill_reuse_weight=1), 1.0),
+             (DisaggConfig(prefill_reuse_weight=0), 0.0))
+    for disagg, want in cases:
+        app = create_app(FrontendConfig(kv_overlap_weight=8, kv_reuse_weight=3, disagg=disagg), InMemoryDiscovery())
         scorer, _ = app.state.service.disagg.prefill_router.policy.scorers[0]
         assert (scorer.overlap_weight, scorer.reuse_weight) == (8.0, want)
     with pytest.raises(ValueError):
