@@ -351,6 +351,11 @@ def render_md(result: dict, command: str) -> str:
         ok = a["p50_us"] <= t["decision_p50_us"] and a["p99_us"] <= t["decision_p99_us"]
         lines.append(f"| {k} | {_us(a['p50_us'])} | {_us(a['p90_us'])} | {_us(a['p99_us'])} | "
                      f"{_us(d['quietest_round']['p50_us'])} | {'met' if ok else 'missed'} |")
+    pend = result.get("pending_predictions")
+    if pend:
+        lines += ["", f"Decisions with pending predictions on (TTL {pend['ttl_s']:g} s, router/kv_index.py): each routed miss or half "
+                  "prompt records its new blocks as pending on its worker, so those prompts carry fresh tokens per request; "
+                  f"{pend['blocks_after_decisions']:,} blocks were pending after the decisions (matching probes that table too)."]
     ok = ing["store_blocks_per_s"] >= t["ingest_blocks_per_s"]
     lines += ["", f"kvyard ingest: {ing['store_blocks_per_s']:,} blocks/s ({ing['blocks_per_event']} blocks per event, "
               f"{ing['blocks']:,} blocks; target ≥ {t['ingest_blocks_per_s']:,}: {'met' if ok else 'missed'})."]
