@@ -136,7 +136,7 @@ def _max_hit_tokens(n_tokens: int, block_size: int) -> int:
     return ((n_tokens - 1) // block_size) * block_size  # vLLM computes at least one prompt token
 
 
-def oracle_hits(workload: list[dict], block_size: int, capacity_blocks: int | None = None) -> dict:
+def oracle_hits(workload: list[dict], block_size: int, capacity_blocks: int | None = None, per_request: bool = False) -> dict:
     """Infinite cache shared by all workers: hit = leading full blocks seen in any earlier prompt (chained),
     capped so at least one prompt token is computed (vLLM's rule). Not achievable once the content outgrows
     the fleet's KV capacity. With `capacity_blocks`: one pooled LRU cache of that many blocks instead (a
@@ -145,6 +145,7 @@ def oracle_hits(workload: list[dict], block_size: int, capacity_blocks: int | No
 
     seen: OrderedDict[bytes, None] = OrderedDict()
     hits = queries = 0
+    each = []
     for w in workload:
         ids = w["prompt"]
         chain = chain_hashes(ids, block_size)
@@ -153,7 +154,8 @@ def oracle_hits(workload: list[dict], block_size: int, capacity_blocks: int | No
             if hsh not in seen:
                 break
             hit_blocks += 1
-        hits += min(hit_blocks * block_size, _max_hit_tokens(len(ids), block_size))
+        each.append(min(hit_blocks * block_size, _max_hit_tokens(len(ids), block_size)))
+        hits += each[-1]
         queries += len(ids)
         for hsh in chain:
             seen[hsh] = None
@@ -161,7 +163,21 @@ def oracle_hits(workload: list[dict], block_size: int, capacity_blocks: int | No
         if capacity_blocks is not None:
             while len(seen) > capacity_blocks:
                 seen.popitem(last=False)
-    return {"hits": hits, "queries": queries, "hit_rate": hits / queries if queries else None}
+    out = {"hits": hits, "queries": queries, "hit_rate": hits / queries if queries else None}
+    return {**out, "per_request": each} if per_request else out
+
+
+def ttft_floor(workload: list[dict], block_size: int, profile: str = "h200-llama3.1-8b") -> dict:
+    """The TTFT no router can beat on this workload: each request's own prefill at the infinite oracle's hits, on
+    an idle engine (the sim's timing model of `profile`: TTFT(isl) - TTFT(hit) + the per-pass cost), in profile ms.
+    Queueing behind other requests is what a router adds to it."""
+    from workers.sim.profiles import load_profile
+    from workers.sim.timing import TimingModel
+
+    tm = TimingModel(load_profile(profile), 1.0)
+    hits = oracle_hits(workload, block_size, per_request=True)["per_request"]
+    ms = [tm.prefill_ms([(h, len(w["prompt"]) - h)]) for w, h in zip(workload, hits)]
+    return {k: round(float(np.percentile(ms, q)), 1) for k, q in (("p50", 50), ("p90", 90), ("p99", 99))}
 
 
 def fleet_bound_hits(workload: list[dict], block_size: int, capacity_blocks: int, bypass: bool = False) -> dict:
@@ -264,6 +280,7 @@ def cache_references(workload: list[dict], args, num_gpu_blocks: int) -> dict:
     per_worker = num_gpu_blocks - 1  # vLLM keeps one null block out of the pool
     fleet = args.workers * per_worker
     return {"oracle": oracle_hits(workload, args.block_size),
+            "ttft_floor_ms": ttft_floor(workload, args.block_size),
             "fleet_bound": fleet_bound_hits(workload, args.block_size, fleet),
             "pooled_lru": oracle_hits(workload, args.block_size, fleet),
             "affinity_lru": affinity_lru_hits(workload, args.block_size, args.workers, per_worker)}
@@ -508,6 +525,11 @@ def write_report(out: dict, cmd: str) -> None:
             L += [f"Unloaded reference (round-robin, {un['requests']} requests of the slice one at a time, max_tokens 1): "
                   f"TTFT p50 {fmt(un['ttft_ms']['p50'])} ms, p90 {fmt(un['ttft_ms']['p90'])} ms. "
                   f"Round-robin's loaded p90 / unloaded p90 = **{fmt(tr.get('rr_p90_over_unloaded'), 2)}×** (must be ≥ 3).", ""]
+        fl = tr.get("ttft_floor_ms")
+        if fl:
+            L += [f"TTFT floor (each request's own prefill at the infinite oracle's hits on an idle engine, from the profile; "
+                  f"no router beats it, queueing is what routing adds): p50 {fmt(fl['p50'])} ms, p90 {fmt(fl['p90'])} ms, "
+                  f"p99 {fmt(fl['p99'])} ms.", ""]
         L += ["| policy | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | req/s | out tok/s | cache hit rate | % of fleet bound | errors |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         bound = (tr.get("fleet_bound") or tr["oracle"])["hit_rate"]

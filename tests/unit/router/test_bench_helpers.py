@@ -157,3 +157,21 @@ def test_routing_run_list_sweeps_weights_and_pairs():
                     ("kv w=16 reuse=16 req=32", "kv", {"overlap_weight": 16.0, "reuse_weight": 16.0, "request_weight": 32.0})]
     with pytest.raises(SystemExit):
         run_list(build_parser().parse_args(["--kv-pairs", "16"]), "kv")
+
+
+def test_ttft_floor_prices_each_prompt_at_the_oracles_hits():
+    """The floor is each request's own prefill on an idle engine: a repeated prompt costs only its last block's
+    worth (the oracle's hits), a fresh one its whole TTFT from the profile."""
+    from benchmarks.routing import oracle_hits, ttft_floor
+    from workers.sim.profiles import load_profile
+    from workers.sim.timing import TimingModel
+
+    rng = random.Random(3)
+    fresh = [rng.randrange(5, 30_000) for _ in range(4096)]
+    wl = [{"prompt": fresh}, {"prompt": list(fresh)}]
+    assert oracle_hits(wl, 16, per_request=True)["per_request"] == [0, 4096 - 16]
+    tm = TimingModel(load_profile("h200-llama3.1-8b"), 1.0)
+    one = [{"prompt": fresh}]
+    assert ttft_floor(one, 16)["p50"] == round(tm.ttft_ms(4096), 1)
+    floor = ttft_floor(wl, 16)
+    assert floor["p50"] < ttft_floor(one, 16)["p50"] and floor["p99"] <= round(tm.ttft_ms(4096), 1)
