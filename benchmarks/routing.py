@@ -662,7 +662,7 @@ def run_list(args, policies: str) -> list[tuple[str, str, dict]]:
     entry and once per --reuse-weights entry (each with the other setting as given, or the frontend's default),
     then once per --kv-pairs overlap:reuse[:request[:pending_ttl_s]] setting (those set)."""
     given = (("overlap_weight", args.kv_overlap_weight), ("reuse_weight", args.kv_reuse_weight),
-             ("request_weight", getattr(args, "kv_request_weight", None)))
+             ("request_weight", args.kv_request_weight))
     base = {k: v for k, v in given if v is not None}
     runs = [(p, p, base if p == "kv" else {}) for p in filter(None, policies.split(","))]
     for w in filter(None, args.overlap_weights.split(",")):

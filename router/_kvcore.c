@@ -349,12 +349,12 @@ key_of(PyObject *o, uint64_t *out)
 }
 
 static PyObject *
-mask_to_long(const MaskTable *t, const uint64_t *mask)
+mask_to_long(int words, const uint64_t *mask)
 {
-    if (t->words == 1)
+    if (words == 1)
         return PyLong_FromUnsignedLongLong(mask[0]);
     PyObject *acc = PyLong_FromLong(0), *sh = PyLong_FromLong(64);
-    for (int w = t->words - 1; acc && sh && w >= 0; w--) {
+    for (int w = words - 1; acc && sh && w >= 0; w--) {
         PyObject *shifted = PyNumber_Lshift(acc, sh);
         PyObject *word = PyLong_FromUnsignedLongLong(mask[w]);
         Py_SETREF(acc, (shifted && word) ? PyNumber_Or(shifted, word) : NULL);
@@ -609,7 +609,7 @@ MaskTable_get(MaskTable *t, PyObject *key_obj)
     Py_ssize_t i = find(t, key);
     if (i < 0)
         return PyLong_FromLong(0);
-    return mask_to_long(t, ENTRY(t, i) + 1);
+    return mask_to_long(t->words, ENTRY(t, i) + 1);
 }
 
 static int
@@ -661,14 +661,6 @@ mask_of(const MaskTable *t, const MaskTable *o, uint64_t key, uint64_t *m, int W
 }
 
 static PyObject *
-mask_to_long_w(int words, const uint64_t *mask)
-{
-    MaskTable shape;
-    shape.words = words;
-    return mask_to_long(&shape, mask);
-}
-
-static PyObject *
 MaskTable_match(MaskTable *t, PyObject *args)
 {
     PyObject *keys, *also = Py_None;
@@ -715,12 +707,12 @@ MaskTable_match(MaskTable *t, PyObject *args)
             active[w] = kept;
             left |= kept != 0;
         }
-        if (changed && emit(out, k, mask_to_long_w(W, dropped)) < 0)
+        if (changed && emit(out, k, mask_to_long(W, dropped)) < 0)
             goto fail;
         if (!left)
             goto done;
     }
-    if (emit(out, n, mask_to_long_w(W, active)) < 0)
+    if (emit(out, n, mask_to_long(W, active)) < 0)
         goto fail;
 done:
     if (active != stack)
