@@ -13,7 +13,7 @@ a shared prefix is PREFIX_BLOCKS full blocks, each request adds a few suffix tok
      the prefix too, hits it.
 
 CPU cost is kept small (two engines on two shared cores): 4 prefixes of 10 blocks, a handful of
-follow-ups, 12 concurrent requests of 8 output tokens.
+follow-ups, 12 concurrent requests of 160 output tokens.
 """
 
 from __future__ import annotations
@@ -220,10 +220,22 @@ async def test_hot_prefix_still_spreads_over_both_engines(stack: Stack) -> None:
     before = await counters(stack)
 
     n = 12
-    # long enough answers that the 12 are in flight together even when a loaded machine sends them slowly
-    chosen = await asyncio.gather(*(complete(stack, hot + tokens(rng, SUFFIX), max_tokens=48) for _ in range(n)))
+    # The 12 must be in flight together: the cost sends one elsewhere only once about 7 are running on the
+    # holder. On two cores shared with two engines whose OpenMP threads spin while they compute, the client
+    # can be starved while the holder finishes what it already got (CI once saw all 12 land on the holder
+    # one after another). So the connections are opened beforehand (sending is then a write on each), and
+    # the answers are long (160 tokens; prompt + answer stay under max-model-len 512). The frontend's own
+    # count of requests in flight is watched during the burst and shown if the assertion fails.
+    await asyncio.gather(*(stack.client.get(stack.url + "/health") for _ in range(n)))
+    peak: Counter[str] = Counter()
+    burst = asyncio.gather(*(complete(stack, hot + tokens(rng, SUFFIX), max_tokens=160) for _ in range(n)))
+    while not burst.done():
+        for w in (await stack.client.get(stack.url + "/api/cluster")).json()["workers"]:
+            peak[w["worker_id"]] = max(peak[w["worker_id"]], w["inflight"])
+        await asyncio.wait([burst], timeout=0.05)
+    chosen = await burst
     counts = Counter(chosen)
-    assert len(counts) == 2, f"all {n} concurrent requests on one hot prefix went to one engine: {counts}"
+    assert len(counts) == 2, f"all {n} concurrent requests on one hot prefix went to one engine: {counts}; peak in flight {peak}"
     assert counts[first] >= counts.most_common()[-1][1], f"the engine holding the prefix got fewer than the other: {counts}"
 
     after = await settled_counters(stack, sum(q for _, q in before.values()) + n * (PREFIX_BLOCKS * BLOCK + SUFFIX))
