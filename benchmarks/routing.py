@@ -453,7 +453,7 @@ async def run_policy(args, policy: str, workload: list[dict], num_gpu_blocks: in
                          "blocks_stored": {w: v - r_before["blocks_stored"].get(w, 0) for w, v in r_after["blocks_stored"].items()}}
     kv = kv or {}
     res.update({"policy": policy, "overlap_weight": kv.get("overlap_weight"), "reuse_weight": kv.get("reuse_weight"),
-                "request_weight": kv.get("request_weight"), "num_gpu_blocks": num_gpu_blocks, "cache_hits_tokens": dh, "cache_queries_tokens": dq,
+                "request_weight": kv.get("request_weight"), "prefill_drain": kv.get("prefill_drain"), "num_gpu_blocks": num_gpu_blocks, "cache_hits_tokens": dh, "cache_queries_tokens": dq,
                 "hit_rate": round(dh / dq, 4) if dq else None, "loadavg_start": round(la0, 2),
                 "loadavg_end": round(os.getloadavg()[0], 2), "generation_tokens_per_worker": per_worker})
     short = {k: res[k] for k in ("ok", "errors", "wall_s", "req_per_s", "hit_rate", "loadavg_end")}
@@ -648,8 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlap-weights", default="", help="sweep: also run kv once per weight, e.g. 0.5,1,2,4,8")
     ap.add_argument("--kv-request-weight", type=float, default=None, help="frontend kv_request_weight (default: the frontend's)")
     ap.add_argument("--kv-pairs", default="",
-                    help="sweep: also run kv once per overlap:reuse[:request[:pending_ttl_s]] setting, e.g. 8:16,16:8:16:0 "
-                         "(the frontend's for what is not given)")
+                    help="sweep: also run kv once per overlap:reuse[:request[:pending_ttl_s[:drain]]] setting, e.g. "
+                         "8:16,16:8:16:0,16:8:16:10:1 (drain 0|1: kv_prefill_drain; the frontend's for what is not given)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every run, interleaved (kv, round-robin, kv, ...), each on a fresh cluster; the "
                          "report gives per-policy medians and the per-round kv/round-robin ratios")
@@ -660,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_list(args, policies: str) -> list[tuple[str, str, dict]]:
     """(label, policy, kv settings for the frontend) per run: the policies, then kv once per --overlap-weights
     entry and once per --reuse-weights entry (each with the other setting as given, or the frontend's default),
-    then once per --kv-pairs overlap:reuse[:request[:pending_ttl_s]] setting (those set)."""
+    then once per --kv-pairs overlap:reuse[:request[:pending_ttl_s[:drain]]] setting (those set)."""
     given = (("overlap_weight", args.kv_overlap_weight), ("reuse_weight", args.kv_reuse_weight),
              ("request_weight", args.kv_request_weight))
     base = {k: v for k, v in given if v is not None}
@@ -670,11 +670,16 @@ def run_list(args, policies: str) -> list[tuple[str, str, dict]]:
     for w in filter(None, args.reuse_weights.split(",")):
         runs.append((f"kv reuse={float(w):g}", "kv", {**base, "reuse_weight": float(w)}))
     for pair in filter(None, getattr(args, "kv_pairs", "").split(",")):
-        vals = [float(x) for x in pair.split(":")]
-        if len(vals) not in (2, 3, 4):
-            raise SystemExit(f"--kv-pairs: {pair!r} is not overlap:reuse[:request[:pending_ttl_s]]")
+        try:
+            vals = [float(x) for x in pair.split(":")]
+        except ValueError:
+            vals = []
+        if len(vals) not in (2, 3, 4, 5) or (len(vals) == 5 and vals[4] not in (0, 1)):
+            raise SystemExit(f"--kv-pairs: {pair!r} is not overlap:reuse[:request[:pending_ttl_s[:drain 0|1]]]")
         kv = dict(zip(("overlap_weight", "reuse_weight", "request_weight", "pending_ttl_s"), vals))
-        label = f"kv w={vals[0]:g} reuse={vals[1]:g}" + "".join(f" {k}={v:g}" for k, v in zip(("req", "pend"), vals[2:]))
+        if len(vals) == 5:
+            kv["prefill_drain"] = bool(vals[4])
+        label = f"kv w={vals[0]:g} reuse={vals[1]:g}" + "".join(f" {k}={v:g}" for k, v in zip(("req", "pend", "drain"), vals[2:]))
         runs.append((label, "kv", kv))
     return runs
 

@@ -60,6 +60,9 @@ class FrontendConfig(BaseModel):
     # (router/kv_index.py, pending predictions): a burst on one prefix then replicates it instead of piling onto
     # the one holder the events know of. 0: only what events report.
     kv_pending_ttl_s: float = Field(10.0, ge=0)
+    # kv: count a worker's booked prefill as draining at its measured prefill rate (router/load.py, prefill drain)
+    # instead of whole until the first token: a worker near the end of a long prompt is then seen as nearly free.
+    kv_prefill_drain: bool = False
     router_temperature: float = Field(0.0, ge=0)  # kv: 0 = argmin of the cost, > 0 = softmax sampling
     redis_url: str | None = None  # None -> in-memory discovery (embedded default)
     discovery_prefix: str = "kvyard"

@@ -6,12 +6,27 @@ blocks, cached or not: they are all read while it decodes);
 the first token removes its prefill tokens; completion (success, error or cancel) removes the rest.
 Requests never completed expire after `ttl_s` (default 300 s, as Dynamo) so a lost callback cannot
 leave a worker looking busy forever. Pure and synchronous; the caller supplies the clock.
+
+Prefill drain (`drain=True`): booked prefill is the work a worker had when the request came, not what it
+has now. A worker 3 s into a 4 s prompt is almost free, yet until that first token it looks as loaded
+as when the prompt arrived, so the router avoids it for the whole prefill (Dynamo's bookkeeping, and
+ours without drain). With drain, each worker's prompts awaiting their first token form a FCFS queue (the
+engines schedule waiting prefills first come, first served: vLLM, SGLang, the sim) that `advance(now)`
+drains at the worker's measured prefill rate, front first; `prefill_tokens` is then the estimated
+remaining prefill. The rate is learned from the worker's own first tokens: over each busy spell (some
+prompt awaiting its first token), the booked tokens of the prompts whose first token came back over the
+time they took, as exponentially weighted sums (so a short prompt finishing in the same step as a long
+one does not read as an absurd rate). A first token also ends the prefill of every prompt routed there
+before it (FCFS: they are done). Until a worker's first sample its queue does not drain (the booked
+figure, as without drain). Estimates only shrink what is booked: completion still releases exactly
+what was booked, so an error in the rate can never leave a worker looking loaded forever.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from router.types import EndpointLoad
 
@@ -21,16 +36,36 @@ __all__ = ["LoadTracker"]
 @dataclass(slots=True)
 class _Active:
     worker_id: str
-    prefill_tokens: int
+    prefill_tokens: int  # booked: the uncached prompt tokens, until the first token (then 0)
     blocks: int
     started: float
+    remaining: float = 0.0  # drain: the part of prefill_tokens still counted in the worker's load
+
+
+@dataclass(slots=True)
+class _Drain:
+    """One worker's prompts awaiting their first token (FCFS) and its measured prefill rate."""
+
+    queue: deque = field(default_factory=deque)  # _Active entries in routing order (some may be done: skipped)
+    busy_since: float = 0.0  # start of the current service interval (a prompt arrived at an idle queue, or a first token)
+    last: float = 0.0  # when advance() last drained this queue
+    tokens: float = 0.0  # exponentially weighted sums of tokens served and of the time serving them
+    seconds: float = 0.0
+
+
+# weight of the past in the rate's sums, per sample: ~the last 20 first tokens count
+RATE_DECAY = 0.95
+ADVANCE_EVERY_S = 0.002
 
 
 class LoadTracker:
-    def __init__(self, ttl_s: float = 300.0) -> None:
+    def __init__(self, ttl_s: float = 300.0, drain: bool = False) -> None:
         self.ttl_s = ttl_s
+        self.drain = drain
         self._active: dict[str, _Active] = {}
         self._loads: dict[str, EndpointLoad] = {}
+        self._drains: dict[str, _Drain] = {}
+        self._advanced = float("-inf")
 
     def load(self, worker_id: str) -> EndpointLoad:
         ld = self._loads.get(worker_id)
@@ -49,15 +84,26 @@ class LoadTracker:
             self.on_complete(request_id)
         blocks = -(-prompt_tokens // max(block_size, 1))
         prefill = max(0, prompt_tokens - cached_tokens)
-        self._active[request_id] = _Active(worker_id, prefill, blocks, time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        act = self._active[request_id] = _Active(worker_id, prefill, blocks, now, float(prefill))
         ld = self.load(worker_id)
         ld.inflight_requests += 1
         ld.prefill_tokens += prefill
         ld.active_blocks += blocks
+        if self.drain and prefill:
+            dr = self._drains.get(worker_id)
+            if dr is None:
+                dr = self._drains[worker_id] = _Drain(last=now)
+            if not dr.queue:
+                dr.busy_since = dr.last = now  # an idle worker starts serving this prompt now
+            dr.queue.append(act)
 
-    def on_first_token(self, request_id: str) -> None:
+    def on_first_token(self, request_id: str, now: float | None = None) -> None:
         act = self._active.get(request_id)
         if act is None or act.prefill_tokens == 0:
+            return
+        if self.drain:
+            self._departed(act, time.monotonic() if now is None else now)
             return
         self.load(act.worker_id).prefill_tokens -= act.prefill_tokens
         act.prefill_tokens = 0
@@ -68,8 +114,83 @@ class LoadTracker:
             return
         ld = self.load(act.worker_id)
         ld.inflight_requests -= 1
-        ld.prefill_tokens -= act.prefill_tokens
         ld.active_blocks -= act.blocks
+        if act.prefill_tokens:  # ended before its first token (error, cancel, failover)
+            ld.prefill_tokens -= act.remaining if self.drain else act.prefill_tokens
+            act.prefill_tokens = 0
+            act.remaining = 0.0
+            if self.drain:
+                self._settle(act.worker_id)
+
+    # ---- prefill drain ----------------------------------------------------------------------------------------
+
+    def prefill_rate(self, worker_id: str) -> float | None:
+        """Measured prefill tokens per second of the worker (drain), None before its first sample."""
+        dr = self._drains.get(worker_id)
+        return dr.tokens / dr.seconds if dr is not None and dr.seconds > 0 else None
+
+    def advance(self, now: float | None = None) -> None:
+        """Drain every worker's FCFS prefill queue by what its measured rate served since the last call."""
+        if not self.drain:
+            return
+        now = time.monotonic() if now is None else now
+        if now - self._advanced < ADVANCE_EVERY_S:  # the router calls this per decision: at most every 2 ms
+            return
+        self._advanced = now
+        loads = self._loads
+        for wid, dr in self._drains.items():
+            q = dr.queue
+            dt = now - dr.last
+            dr.last = now
+            if not q or dt <= 0 or dr.seconds <= 0:
+                continue
+            budget = dr.tokens / dr.seconds * dt
+            ld = loads[wid]
+            for act in q:
+                if budget <= 0:
+                    break
+                r = act.remaining
+                if r <= 0:
+                    continue
+                take = r if r < budget else budget
+                act.remaining = r - take
+                budget -= take
+                ld.prefill_tokens -= take
+
+    def _departed(self, act: _Active, now: float) -> None:
+        """`act`'s first token: it and every prompt routed to its worker before it are done with prefill."""
+        dr = self._drains.get(act.worker_id)
+        ld = self.load(act.worker_id)
+        if dr is None or act not in dr.queue:  # booked before drain was on, or already settled
+            ld.prefill_tokens -= act.remaining
+            act.prefill_tokens, act.remaining = 0, 0.0
+            return
+        served = 0
+        q = dr.queue
+        while q:
+            a = q.popleft()
+            served += a.prefill_tokens
+            ld.prefill_tokens -= a.remaining
+            a.prefill_tokens, a.remaining = 0, 0.0
+            if a is act:
+                break
+        spent = now - dr.busy_since
+        if served and spent > 0:
+            dr.tokens = dr.tokens * RATE_DECAY + served
+            dr.seconds = dr.seconds * RATE_DECAY + spent
+        dr.busy_since = dr.last = now
+        self._settle(act.worker_id)
+
+    def _settle(self, worker_id: str) -> None:
+        """Drop finished entries from the queue's front; an empty queue holds no estimate (no float drift)."""
+        dr = self._drains.get(worker_id)
+        if dr is None:
+            return
+        q = dr.queue
+        while q and q[0].prefill_tokens == 0:
+            q.popleft()
+        if not q:
+            self.load(worker_id).prefill_tokens = 0
 
     def expire(self, now: float | None = None) -> int:
         """Drop requests older than ttl_s; returns how many were dropped."""
@@ -83,3 +204,4 @@ class LoadTracker:
         for rid in [rid for rid, a in self._active.items() if a.worker_id == worker_id]:
             del self._active[rid]
         self._loads.pop(worker_id, None)
+        self._drains.pop(worker_id, None)

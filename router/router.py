@@ -46,6 +46,8 @@ class Router:
         if not endpoints:
             raise NoEndpointsError(f"no live worker serves model {request.model!r}")
         t0 = time.perf_counter()
+        if self.loads.drain:
+            self.loads.advance()
         self._merge_loads(endpoints)
         if self.policy.index is not None:
             self._match_prefix(request, endpoints[0].block_size)

@@ -167,10 +167,14 @@ async def test_trtllm_polling_and_gap_purge(tmp_path):
         trtllm.encode_events([(7, BlockStored([21], None, toks[:2], 2))]),  # events 2..6 were lost: purge
     ]
     calls = []
+    gap_may_come = asyncio.Event()  # the third page waits until the test has seen the first two applied
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: httpx.Request) -> httpx.Response:
         calls.append(request.url.path)
-        return httpx.Response(200, content=pages[len(calls) - 1] if len(calls) <= len(pages) else b"[]")
+        n = len(calls)
+        if n >= 3:
+            await gap_may_come.wait()
+        return httpx.Response(200, content=pages[n - 1] if n <= len(pages) else b"[]")
 
     ix = KvIndex()
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
@@ -178,6 +182,7 @@ async def test_trtllm_polling_and_gap_purge(tmp_path):
         ing.sync([WorkerInfo(worker_id="t", model="m", backend="trtllm", url="http://127.0.0.1:9", block_size=2)])
         await until(lambda: ing.stats()["t"]["last_seq"] == 1)
         assert ix.find_matches(block_hashes(toks, 2)) == {"t": 3}
+        gap_may_come.set()
         await until(lambda: ing.stats()["t"]["last_seq"] == 7)
         assert ix.find_matches(block_hashes(toks, 2)) == {"t": 1} and ing.stats()["t"]["purges"] == 1
         assert calls[0] == "/kv_cache_events"
