@@ -57,8 +57,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.loadgen import percentiles  # noqa: E402
-from benchmarks.routing import (TRACE, Cluster, engine_counters, median_run, replay, shared_prefix_workload,  # noqa: E402
-                                trace_workload)
+from benchmarks.routing import (TRACE, Cluster, engine_counters, hit_bars, median_run, replay, shared_prefix_workload,  # noqa: E402
+                                trace_workload, ttft_cdf_axes, ttft_cdf_lines)
 
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = "dynamo_compare"
@@ -411,28 +411,12 @@ def plot(out: dict) -> None:
     colors = {"round-robin": "C1", "kv": "C0"}
     for row, sec in enumerate(secs):
         d = out[sec]
-        ax = axes[row][0]
-        for name, r in d["runs"].items():
-            v = np.sort(np.asarray(r["_ttft_all"]))
-            if len(v):
-                ax.plot(v, np.arange(1, len(v) + 1) / len(v), styles[r["stack"]], color=colors[r["policy"]],
-                        label=f"{name} (p90 {r['ttft_ms']['p90']:.0f} ms)")
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (ms, profile time)")
-        ax.set_ylabel("CDF")
-        ax.set_title(f"{sec.replace('_', ' ')}: TTFT")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax = axes[row][1]
+        ttft_cdf_lines(axes[row][0], [(name, r, {"linestyle": styles[r["stack"]], "color": colors[r["policy"]]})
+                                      for name, r in d["runs"].items()])
+        ttft_cdf_axes(axes[row][0], f"{sec.replace('_', ' ')}: TTFT")
         names = list(d["runs"])
-        vals = [100 * (d["runs"][n]["hit_rate"] or 0) for n in names]
-        ax.bar(names, vals, color=[colors[d["runs"][n]["policy"]] for n in names],
-               hatch=None, edgecolor="k", alpha=0.85)
-        for x, v in enumerate(vals):
-            ax.text(x, v + 0.5, f"{v:.1f}%", ha="center", fontsize=9)
-        ax.set_ylabel("prompt-cache hit rate (%)")
-        ax.set_title(f"{sec.replace('_', ' ')}: fleet cache hits")
-        ax.tick_params(axis="x", labelrotation=15)
+        hit_bars(axes[row][1], names, [100 * (d["runs"][n]["hit_rate"] or 0) for n in names],
+                 [colors[d["runs"][n]["policy"]] for n in names], f"{sec.replace('_', ' ')}: fleet cache hits", 15)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{OUT}.png", dpi=110)
 

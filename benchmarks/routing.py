@@ -588,31 +588,46 @@ def plot(out: dict) -> None:
     for row, sec in enumerate(panels):
         d = out[sec]
         ax = axes[row][0]
-        for pol, r in d["runs"].items():
-            v = np.sort(np.asarray(r["_ttft_all"]))
-            if len(v):
-                ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=f"{pol} (p90 {r['ttft_ms']['p90']:.0f} ms)")
+        ttft_cdf_lines(ax, [(pol, r, {}) for pol, r in d["runs"].items()])
         if d.get("unloaded"):
             v = np.sort(np.asarray(d["unloaded"]["_ttft_all"]))
             ax.plot(v, np.arange(1, len(v) + 1) / len(v), "k:", label="unloaded (round-robin)")
-        ax.set_xscale("log")
-        ax.set_xlabel("TTFT (ms, profile time)")
-        ax.set_ylabel("CDF")
-        ax.set_title(f"{sec.replace('_', ' ')}: TTFT distribution")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax = axes[row][1]
+        ttft_cdf_axes(ax, f"{sec.replace('_', ' ')}: TTFT distribution")
         bound = d.get("fleet_bound") or d["oracle"]
         names = list(d["runs"]) + ["fleet bound"]
-        vals = [100 * d["runs"][n]["hit_rate"] for n in d["runs"]] + [100 * bound["hit_rate"]]
-        ax.bar(names, vals, color=[f"C{i % 10}" for i in range(len(names) - 1)] + ["grey"])
-        ax.tick_params(axis="x", labelrotation=30 if len(names) > 5 else 0)
-        for x, v in enumerate(vals):
-            ax.text(x, v + 0.5, f"{v:.1f}%", ha="center", fontsize=9)
-        ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
-        ax.set_title(f"{sec.replace('_', ' ')}: fleet cache hits")
+        hit_bars(axes[row][1], names, [100 * d["runs"][n]["hit_rate"] for n in d["runs"]] + [100 * bound["hit_rate"]],
+                 [f"C{i % 10}" for i in range(len(names) - 1)] + ["grey"], f"{sec.replace('_', ' ')}: fleet cache hits",
+                 30 if len(names) > 5 else 0)
     fig.tight_layout()
     fig.savefig(RESULTS / f"{OUT}.png", dpi=110)
+
+
+def ttft_cdf_lines(ax, runs: list[tuple[str, dict, dict]]) -> None:
+    """One TTFT CDF line per (label, run, matplotlib style) whose run recorded TTFTs."""
+    for label, r, style in runs:
+        v = np.sort(np.asarray(r["_ttft_all"]))
+        if len(v):
+            ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=f"{label} (p90 {r['ttft_ms']['p90']:.0f} ms)", **style)
+
+
+def ttft_cdf_axes(ax, title: str) -> None:
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, profile time)")
+    ax.set_ylabel("CDF")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def hit_bars(ax, names: list[str], pcts: list[float], colors: list[str], title: str, rotation: int) -> None:
+    """Cache-hit rate bars, each labelled with its value."""
+    ax.bar(names, pcts, color=colors, edgecolor="k", alpha=0.85)
+    ax.tick_params(axis="x", labelrotation=rotation)
+    for x, v in enumerate(pcts):
+        ax.text(x, v + 0.5, f"{v:.1f}%", ha="center", fontsize=9)
+    ax.set_ylim(0, 1.12 * max(pcts, default=0) + 1)  # room for the labels under the title
+    ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+    ax.set_title(title)
 
 
 # ---------------------------------------------------------------- main
