@@ -178,9 +178,9 @@ class KvyardCluster:
     """Sim workers and frontends as separate processes over one (private) Redis."""
 
     def __init__(self, redis_url: str, log_dir: Path, model: str = "simmodel", prefix: str = "kvyard-rel",
-                 lease_ttl_s: float = 3.0) -> None:
+                 lease_ttl_s: float = 3.0, drain_timeout_s: float = 10.0, max_model_len: int = 8192) -> None:
         self.redis_url, self.log_dir, self.model, self.prefix = redis_url, log_dir, model, prefix
-        self.lease_ttl_s = lease_ttl_s
+        self.lease_ttl_s, self.drain_timeout_s, self.max_model_len = lease_ttl_s, drain_timeout_s, max_model_len
         self.workers: dict[str, Child] = {}
         self.frontends: dict[str, Child] = {}
         self.frontend_ports: dict[str, int] = {}
@@ -192,8 +192,9 @@ class KvyardCluster:
         port = free_port()
         c = Child(name, ["worker", "--backend", "sim", "--model", "h200-llama3.1-8b", "--served-model-name", self.model,
                          "--port", str(port), "--kv-events-port", str(free_port()), "--redis-url", self.redis_url,
-                         "--discovery-prefix", self.prefix, "--lease-ttl", str(self.lease_ttl_s), "--drain-timeout", "10",
-                         "--max-model-len", "8192", "--", "--speedup", str(speedup), *(engine_args or [])], self.log_dir)
+                         "--discovery-prefix", self.prefix, "--lease-ttl", str(self.lease_ttl_s),
+                         "--drain-timeout", str(self.drain_timeout_s), "--max-model-len", str(self.max_model_len),
+                         "--", "--speedup", str(speedup), *(engine_args or [])], self.log_dir)
         self.workers[name] = c
         self.engine_ports[name] = port
         self._worker_args[name] = (speedup, engine_args)
@@ -219,23 +220,29 @@ class KvyardCluster:
         except (httpx.HTTPError, ValueError):
             return None
 
-    async def wait_ready(self, frontend: str, n_workers: int, timeout: float = 90.0) -> dict:
+    def logs(self, n: int = 1500) -> str:
+        return "\n".join(f"--- {ch.name}\n{ch.log_tail(n)}" for ch in [*self.workers.values(), *self.frontends.values()])
+
+    async def wait_ready(self, frontend: str, n_workers: int, timeout: float = 90.0, exact: bool = False,
+                         respawn: bool = True) -> dict:
+        """The frontend's view once it sees n_workers ready ones (exact: and no other worker, ready or not).
+        A worker that died meanwhile is started again on new ports (respawn), unless the caller stopped it."""
         deadline = time.monotonic() + timeout
         async with httpx.AsyncClient() as c:
             while time.monotonic() < deadline:
                 for name, ch in list(self.workers.items()):
-                    if not ch.alive() and self.respawns < 2 * len(self.workers):
+                    if respawn and not ch.alive() and self.respawns < 2 * len(self.workers):
                         # a free port taken by another process between our pick and the engine's bind: new ports
                         self.respawns += 1
                         self.add_worker(name, *self._worker_args[name])
                 view = await self.cluster_view(frontend, c)
                 if view is not None:
                     ready = [w for w in view["workers"] if w["state"] == "ready"]
-                    if len(ready) >= n_workers:
-                        return view
+                    if len(ready) == n_workers if exact else len(ready) >= n_workers:
+                        if not exact or len(view["workers"]) == n_workers:
+                            return view
                 await asyncio.sleep(0.2)
-        logs = "\n".join(f"--- {ch.name}\n{ch.log_tail(1500)}" for ch in [*self.workers.values(), *self.frontends.values()])
-        raise RuntimeError(f"frontend {frontend} did not see {n_workers} ready workers in {timeout:.0f} s\n{logs}")
+        raise RuntimeError(f"frontend {frontend} did not see {n_workers} ready workers in {timeout:.0f} s\n{self.logs()}")
 
     def stop(self) -> None:
         for c in self.frontends.values():

@@ -7,10 +7,7 @@ streaming through the official OpenAI client, and client cancellation reaching t
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.unit.orchestrator.fake_engine import free_port
+from benchmarks.procs import KvyardCluster
 from workers.vllm.metrics import parse_vllm_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -27,65 +24,26 @@ pytestmark = [pytest.mark.slow, pytest.mark.redis]
 MODEL = "simmodel"
 
 
-class Cluster:
-    def __init__(self, redis_url: str, tmp: Path) -> None:
-        self.redis_url = redis_url
-        self.tmp = tmp
-        self.prefix = f"kvyard-it-{uuid.uuid4().hex[:8]}"
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.engine_ports: dict[str, int] = {}
-        self.fport = free_port()
-        self.url = f"http://127.0.0.1:{self.fport}"
+class Cluster(KvyardCluster):
+    """Sim workers (lease 1.5 s, 30 s drain) and one least-loaded frontend "fe" over the test's Redis."""
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "info", *args], stdout=log, stderr=subprocess.STDOUT)
-        self.procs[name] = p
-        return p
+    def __init__(self, redis_url: str, tmp: Path) -> None:
+        super().__init__(redis_url, tmp, MODEL, prefix=f"kvyard-it-{uuid.uuid4().hex[:8]}", lease_ttl_s=1.5,
+                         drain_timeout_s=30, max_model_len=4096)
+
+    @property
+    def base(self) -> str:
+        return self.url("fe")
 
     def start_worker(self, name: str, speedup: float = 1.0) -> None:
-        port = free_port()
-        self.engine_ports[name] = port
-        self._spawn(name, ["worker", "--backend", "sim", "--model", "h200-llama3.1-8b", "--served-model-name", MODEL,
-                           "--port", str(port), "--kv-events-port", str(free_port()), "--redis-url", self.redis_url,
-                           "--discovery-prefix", self.prefix, "--lease-ttl", "1.5", "--drain-timeout", "30",
-                           "--max-model-len", "4096", "--", "--speedup", str(speedup)])
+        self.add_worker(name, speedup)
 
     def start_frontend(self) -> None:
-        self._spawn("frontend", ["frontend", "--port", str(self.fport), "--redis-url", self.redis_url,
-                                 "--discovery-prefix", self.prefix, "--policy", "least-loaded"])
+        self.add_frontend("fe", policy="least-loaded")
 
     async def wait_workers(self, n: int, timeout: float = 60.0) -> dict:
-        deadline = time.monotonic() + timeout
-        async with httpx.AsyncClient() as c:
-            while time.monotonic() < deadline:
-                try:
-                    body = (await c.get(self.url + "/api/cluster")).json()
-                    ready = [w for w in body["workers"] if w["state"] == "ready"]
-                    if len(body["workers"]) == n and len(ready) == n:
-                        return body
-                except (httpx.HTTPError, ValueError):
-                    pass
-                await asyncio.sleep(0.2)
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in self.tmp.glob("*.log"))
-        raise AssertionError(f"cluster did not reach {n} ready workers\n{logs}")
-
-    def worker_of(self, worker_id: str) -> str:
-        # worker ids are sim-<hex>; map by engine port through /api/cluster is not exposed, so use the log
-        for name in self.engine_ports:
-            if worker_id in (self.tmp / f"{name}.log").read_text():
-                return name
-        raise KeyError(worker_id)
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        """Exactly n workers, all ready; a worker the test stopped is not started again."""
+        return await self.wait_ready("fe", n, timeout, exact=True, respawn=False)
 
 
 @pytest.fixture
@@ -96,7 +54,7 @@ async def cluster(redis_url, tmp_path):
 
 
 def client(c: Cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.AsyncOpenAI(base_url=c.base + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 async def test_discovery_and_openai_client(cluster):
@@ -128,7 +86,7 @@ async def test_lease_expiry_after_sigkill(cluster):
     cluster.start_worker("w2")
     cluster.start_frontend()
     await cluster.wait_workers(2)
-    cluster.procs["w1"].kill()  # no deregistration: only the lease can tell
+    cluster.workers["w1"].proc.kill()  # SIGKILL of the worker alone: no deregistration, only the lease can tell
     t0 = time.monotonic()
     await cluster.wait_workers(1, timeout=10)
     assert time.monotonic() - t0 < 5  # lease 1.5 s + one frontend refresh
@@ -153,14 +111,14 @@ async def test_drain_on_sigterm_finishes_inflight(cluster):
     assert first.choices[0].text is not None
     cluster.start_worker("w2")
     await cluster.wait_workers(2)
-    cluster.procs["w1"].send_signal(signal.SIGTERM)
+    cluster.workers["w1"].proc.send_signal(signal.SIGTERM)
     # while w1 drains, new requests still succeed (on w2)
     await asyncio.sleep(2.0)
     r = await oa.completions.create(model=MODEL, prompt="new one", max_tokens=3)
     assert r.usage.completion_tokens == 3
     rest = [c async for c in stream]
     assert rest[-1].usage.completion_tokens == 300  # nothing lost
-    assert cluster.procs["w1"].wait(30) == 0
+    assert cluster.workers["w1"].proc.wait(30) == 0
     await cluster.wait_workers(1)
 
 
@@ -170,7 +128,7 @@ async def test_client_disconnect_aborts_engine_request(cluster):
     await cluster.wait_workers(1)
     engine = f"http://127.0.0.1:{cluster.engine_ports['w1']}"
     async with httpx.AsyncClient(timeout=30) as c:
-        async with c.stream("POST", cluster.url + "/v1/completions",
+        async with c.stream("POST", cluster.base + "/v1/completions",
                             json={"model": MODEL, "prompt": "go on forever", "max_tokens": 2000, "stream": True}) as resp:
             n = 0
             async for _ in resp.aiter_raw():

@@ -15,17 +15,13 @@ again and its route decisions agree with A's.
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.unit.orchestrator.fake_engine import free_port
+from benchmarks.procs import KvyardCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -35,68 +31,17 @@ PREFIXES = 6
 REBUILD_S = 5.0  # a restarted frontend's index must match within this long of seeing the workers
 
 
-class Cluster:
-    def __init__(self, redis_url: str, tmp: Path) -> None:
-        self.redis_url = redis_url
-        self.tmp = tmp
-        self.prefix = f"kvyard-mf-{uuid.uuid4().hex[:8]}"
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.frontends: dict[str, str] = {}
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "ab")
-        p = subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "info", *args], stdout=log, stderr=subprocess.STDOUT)
-        self.procs[name] = p
-        return p
-
-    def start_worker(self, name: str) -> None:
-        self._spawn(name, ["worker", "--backend", "sim", "--model", "h200-llama3.1-8b", "--served-model-name", MODEL,
-                           "--port", str(free_port()), "--kv-events-port", str(free_port()), "--redis-url", self.redis_url,
-                           "--discovery-prefix", self.prefix, "--lease-ttl", "3", "--max-model-len", "4096",
-                           "--", "--speedup", "20"])  # fmt: skip
-
-    def start_frontend(self, name: str) -> str:
-        port = free_port()
-        self._spawn(name, ["frontend", "--port", str(port), "--grpc-port", "0", "--redis-url", self.redis_url,
-                           "--discovery-prefix", self.prefix, "--policy", "kv"])  # fmt: skip
-        self.frontends[name] = f"http://127.0.0.1:{port}"
-        return self.frontends[name]
-
-    def kill(self, name: str) -> None:
-        self.procs[name].kill()
-        self.procs[name].wait(10)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(self.tmp.glob("*.log")))
-
-    async def wait_ready(self, http: httpx.AsyncClient, url: str, timeout: float = 180.0) -> None:  # 2 busy cores: a worker once took > 90 s to join
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                body = (await http.get(url + "/api/cluster")).json()
-                if len([w for w in body["workers"] if w["state"] == "ready"]) == WORKERS:
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            await asyncio.sleep(0.2)
-        raise AssertionError(f"{url} did not see {WORKERS} ready workers\n{self.logs()}")
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 @pytest.fixture
 async def cluster(redis_url, tmp_path):
-    c = Cluster(redis_url, tmp_path)
+    c = KvyardCluster(redis_url, tmp_path, MODEL, prefix=f"kvyard-mf-{uuid.uuid4().hex[:8]}", max_model_len=4096)
     yield c
     c.stop()
+
+
+async def wait_ready(cluster: KvyardCluster, frontend: str) -> str:
+    """The frontend's URL once it sees every worker ready (2 busy cores: a worker once took > 90 s to join)."""
+    await cluster.wait_ready(frontend, WORKERS, timeout=180)
+    return cluster.url(frontend)
 
 
 def prompt(i: int, q: int) -> str:
@@ -124,13 +69,14 @@ async def converged(http: httpx.AsyncClient, a: str, b: str, timeout: float) -> 
         await asyncio.sleep(0.05)
 
 
-async def test_frontends_converge_and_a_restarted_one_rebuilds(cluster: Cluster) -> None:
+async def test_frontends_converge_and_a_restarted_one_rebuilds(cluster: KvyardCluster) -> None:
     for i in range(WORKERS):
-        cluster.start_worker(f"w{i}")
-    a, b = cluster.start_frontend("fa"), cluster.start_frontend("fb")
+        cluster.add_worker(f"w{i}", speedup=20)
+    cluster.add_frontend("fa")
+    cluster.add_frontend("fb")
     async with httpx.AsyncClient(timeout=60) as http:
-        await cluster.wait_ready(http, a)
-        await cluster.wait_ready(http, b)
+        a = await wait_ready(cluster, "fa")
+        b = await wait_ready(cluster, "fb")
 
         # Traffic through A only; first sight of each prefix, concurrently so the load term spreads them.
         holder = dict(enumerate(await asyncio.gather(*(route(http, a, i, 0) for i in range(PREFIXES)))))
@@ -145,10 +91,10 @@ async def test_frontends_converge_and_a_restarted_one_rebuilds(cluster: Cluster)
         await converged(http, a, b, timeout=10)
 
         # Kill B without a goodbye; a new frontend replays the workers' event buffers and catches up.
-        cluster.kill("fb")
+        cluster.frontends["fb"].kill()
         started = time.monotonic()
-        c = cluster.start_frontend("fc")
-        await cluster.wait_ready(http, c)
+        cluster.add_frontend("fc")
+        c = await wait_ready(cluster, "fc")
         _, took = await converged(http, a, c, timeout=REBUILD_S)
         since_start = time.monotonic() - started
         for i in range(PREFIXES):

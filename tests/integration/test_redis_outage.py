@@ -15,6 +15,8 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -102,6 +104,22 @@ async def _watch_fleet(cluster: KvyardCluster, seen: list[tuple[int, bool]], sto
             await asyncio.sleep(0.1)
 
 
+@asynccontextmanager
+async def traffic_watched(cluster: KvyardCluster) -> AsyncIterator[tuple[Traffic, list[tuple[int, bool]]]]:
+    """Traffic through the frontend and its fleet view sampled (`seen`) until the block ends."""
+    traffic = Traffic(cluster.url("fe"))
+    seen: list[tuple[int, bool]] = []
+    stop_watch = asyncio.Event()
+    watcher = asyncio.create_task(_watch_fleet(cluster, seen, stop_watch))
+    traffic.start()
+    try:
+        yield traffic, seen
+    finally:
+        await traffic.stop()
+        stop_watch.set()
+        await watcher
+
+
 async def _registered(redis_url: str, prefix: str) -> int:
     import redis.asyncio as aioredis
 
@@ -114,37 +132,30 @@ async def _registered(redis_url: str, prefix: str) -> int:
 
 async def test_serving_and_telemetry_survive_a_redis_outage(rig):
     redis, cluster = rig
-    traffic = Traffic(cluster.url("fe"))
-    seen: list[tuple[int, bool]] = []
-    stop_watch = asyncio.Event()
-    watcher = asyncio.create_task(_watch_fleet(cluster, seen, stop_watch))
-    traffic.start()
-    await asyncio.sleep(2.0)
+    async with traffic_watched(cluster) as (traffic, seen):
+        await asyncio.sleep(2.0)
 
-    redis.kill()
-    t_down = time.time()
-    await asyncio.sleep(5.0)  # > 3 lease ttls: every lease would have lapsed
-    during = [s for s in seen if not s[1]]
-    assert during, "the frontend never noticed Redis was down"
-    assert all(n == 2 for n, _ in during), f"the frontend dropped workers while Redis was down: {during}"
-    assert all(w.alive() for w in cluster.workers.values()), "a worker died when Redis went away"
-    served_down = sum(1 for t, o in traffic.done if t > t_down + 1.0 and o == "ok")
-    assert served_down > 0, "nothing was served while Redis was down"
+        redis.kill()
+        t_down = time.time()
+        await asyncio.sleep(5.0)  # > 3 lease ttls: every lease would have lapsed
+        during = [s for s in seen if not s[1]]
+        assert during, "the frontend never noticed Redis was down"
+        assert all(n == 2 for n, _ in during), f"the frontend dropped workers while Redis was down: {during}"
+        assert all(w.alive() for w in cluster.workers.values()), "a worker died when Redis went away"
+        served_down = sum(1 for t, o in traffic.done if t > t_down + 1.0 and o == "ok")
+        assert served_down > 0, "nothing was served while Redis was down"
 
-    redis.start()  # back, empty
-    t_up = time.time()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if seen and seen[-1] == (2, True) and await _registered(redis.url, cluster.prefix) == 2:
-            break
-        await asyncio.sleep(0.2)
-    else:
-        pytest.fail(f"no recovery after Redis came back: view {seen[-5:]}, "
-                    f"registered {await _registered(redis.url, cluster.prefix)}")
-    await asyncio.sleep(3.0)  # a few more telemetry flushes
-    await traffic.stop()
-    stop_watch.set()
-    await watcher
+        redis.start()  # back, empty
+        t_up = time.time()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if seen and seen[-1] == (2, True) and await _registered(redis.url, cluster.prefix) == 2:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            pytest.fail(f"no recovery after Redis came back: view {seen[-5:]}, "
+                        f"registered {await _registered(redis.url, cluster.prefix)}")
+        await asyncio.sleep(3.0)  # a few more telemetry flushes
 
     assert traffic.failures() == [], traffic.failures()[:5]
     assert min(n for n, _ in seen) == 2
@@ -163,19 +174,12 @@ async def test_serving_and_telemetry_survive_a_redis_outage(rig):
 
 async def test_quick_redis_restart_keeps_the_fleet(rig):
     redis, cluster = rig
-    traffic = Traffic(cluster.url("fe"))
-    seen: list[tuple[int, bool]] = []
-    stop_watch = asyncio.Event()
-    watcher = asyncio.create_task(_watch_fleet(cluster, seen, stop_watch))
-    traffic.start()
-    await asyncio.sleep(1.5)
-    for _ in range(3):  # three restarts, each comes back empty
-        redis.restart()
-        await asyncio.sleep(3.0)
-        assert await _registered(redis.url, cluster.prefix) == 2, "workers did not re-register after the restart"
-    await traffic.stop()
-    stop_watch.set()
-    await watcher
+    async with traffic_watched(cluster) as (traffic, seen):
+        await asyncio.sleep(1.5)
+        for _ in range(3):  # three restarts, each comes back empty
+            redis.restart()
+            await asyncio.sleep(3.0)
+            assert await _registered(redis.url, cluster.prefix) == 2, "workers did not re-register after the restart"
     assert traffic.failures() == [], traffic.failures()[:5]
     assert len(seen) > 20 and min(n for n, _ in seen) == 2, f"the frontend lost workers: {sorted(set(seen))}"
     assert all(w.alive() for w in cluster.workers.values())
