@@ -8,7 +8,8 @@ list of token ids (as the tokenizer hands it over), for three prompt kinds:
     miss      no block of the prompt is cached anywhere (fresh tokens per request)
     half      its first 2,048 tokens are cached on 4 workers (the rest fresh per request)
     full      all 4,096 tokens are cached on 8 workers (the longest walk)
-Routing also records each request's new blocks as pending on its worker (predictions the engine's events confirm
+The router keeps the frontend's load bookkeeping (prefill drain on, every worker with a measured prefill rate: its
+queues drain at most every 2 ms of the run). Routing also records each request's new blocks as pending on its worker (predictions the engine's events confirm
 later, router/kv_index.py): the fresh tokens keep every kind what it is, and the decisions run with the pending
 table those requests fill (its size is reported).
 plus the parts alone (hash, match, score) for the `half` prompts. Each run is preceded by a
@@ -55,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from router import Endpoint, KvIndex, RouteRequest, Router, build_policy  # noqa: E402
 from router.hashing import block_hashes_view  # noqa: E402
+from router.load import LoadTracker  # noqa: E402
 from router import _kernels, hashing  # noqa: E402
 from workers.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from workers.sglang import kv_events as sglang  # noqa: E402
@@ -440,8 +442,14 @@ def main() -> None:
     ingest.update(bench_ingest_wire(events, 8000))
     ingest.update(bench_event_sizes(rng))
 
-    router = Router(build_policy("kv", index=ix, seed=7))
+    # the frontend's load bookkeeping: prefill drain on (router/load.py), each worker with a measured rate
+    router = Router(build_policy("kv", index=ix, seed=7), LoadTracker(drain=True))
     endpoints = [Endpoint(worker_id=f"w{w}", url=f"http://127.0.0.1:{8100 + w}", model="m", block_size=BS) for w in range(WORKERS)]
+    t_warm = time.monotonic()
+    for ep in endpoints:
+        router.loads.on_routed(f"warm-{ep.worker_id}", ep.worker_id, 4096, BS, now=t_warm - 1.0)
+        router.loads.on_first_token(f"warm-{ep.worker_id}", now=t_warm - 0.9)
+        router.loads.on_complete(f"warm-{ep.worker_id}")
     for w, ep in enumerate(endpoints):  # background load: 0-5 running requests, some still in prefill
         for j in range(w % 6):
             router.loads.on_routed(f"bg{w}-{j}", ep.worker_id, rng.randrange(512, 4096), BS)

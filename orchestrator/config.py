@@ -62,7 +62,9 @@ class FrontendConfig(BaseModel):
     kv_pending_ttl_s: float = Field(10.0, ge=0)
     # kv: count a worker's booked prefill as draining at its measured prefill rate (router/load.py, prefill drain)
     # instead of whole until the first token: a worker near the end of a long prompt is then seen as nearly free.
-    kv_prefill_drain: bool = False
+    # Side by side on the trace (59k blocks, 3 rounds, routing_drain_ab.md): TTFT p90 800 vs 857 ms, p50 303 vs
+    # 319 ms, hits 97.7% vs 95.0% of the fleet bound (medians; p90 lower in 2 rounds, equal in the third).
+    kv_prefill_drain: bool = True
     router_temperature: float = Field(0.0, ge=0)  # kv: 0 = argmin of the cost, > 0 = softmax sampling
     redis_url: str | None = None  # None -> in-memory discovery (embedded default)
     discovery_prefix: str = "kvyard"

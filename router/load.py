@@ -33,20 +33,27 @@ from router.types import EndpointLoad
 __all__ = ["LoadTracker"]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Active:
     worker_id: str
     prefill_tokens: int  # booked: the uncached prompt tokens, until the first token (then 0)
     blocks: int
     started: float
     remaining: float = 0.0  # drain: the part of prefill_tokens still counted in the worker's load
+    seq: int = 0  # drain: its place in the worker's FCFS order
 
 
 @dataclass(slots=True)
 class _Drain:
-    """One worker's prompts awaiting their first token (FCFS) and its measured prefill rate."""
+    """One worker's prompts awaiting their first token (FCFS, by seq) and its measured prefill rate.
 
-    queue: deque = field(default_factory=deque)  # _Active entries in routing order (some may be done: skipped)
+    Entries move from `queue` (still counted in the load) to `drained` when advance() estimates them done, and
+    leave both at a first token (theirs or a later one's): advance() walks only what it drains, never the
+    prompts it already counted done, however many await their first token."""
+
+    queue: deque = field(default_factory=deque)  # _Active entries with remaining > 0 (or ended early), by seq
+    drained: deque = field(default_factory=deque)  # estimated done, first token not seen yet, by seq
+    next_seq: int = 0
     busy_since: float = 0.0  # start of the current service interval (a prompt arrived at an idle queue, or a first token)
     last: float = 0.0  # when advance() last drained this queue
     tokens: float = 0.0  # exponentially weighted sums of tokens served and of the time serving them
@@ -94,8 +101,10 @@ class LoadTracker:
             dr = self._drains.get(worker_id)
             if dr is None:
                 dr = self._drains[worker_id] = _Drain(last=now)
-            if not dr.queue:
+            if not dr.queue and not dr.drained:
                 dr.busy_since = dr.last = now  # an idle worker starts serving this prompt now
+            act.seq = dr.next_seq
+            dr.next_seq += 1
             dr.queue.append(act)
 
     def on_first_token(self, request_id: str, now: float | None = None) -> None:
@@ -146,34 +155,35 @@ class LoadTracker:
                 continue
             budget = dr.tokens / dr.seconds * dt
             ld = loads[wid]
-            for act in q:
-                if budget <= 0:
-                    break
+            drained = dr.drained
+            while q and budget > 0:
+                act = q[0]
                 r = act.remaining
-                if r <= 0:
-                    continue
-                take = r if r < budget else budget
-                act.remaining = r - take
-                budget -= take
-                ld.prefill_tokens -= take
+                if r > budget:
+                    act.remaining = r - budget
+                    ld.prefill_tokens -= budget
+                    break
+                act.remaining = 0.0
+                budget -= r
+                ld.prefill_tokens -= r
+                drained.append(q.popleft())
+            if not q:
+                ld.prefill_tokens = 0  # every prompt there estimated done: no float drift
 
     def _departed(self, act: _Active, now: float) -> None:
         """`act`'s first token: it and every prompt routed to its worker before it are done with prefill."""
         dr = self._drains.get(act.worker_id)
         ld = self.load(act.worker_id)
-        if dr is None or act not in dr.queue:  # booked before drain was on, or already settled
-            ld.prefill_tokens -= act.remaining
+        if dr is None:  # its worker was removed meanwhile
             act.prefill_tokens, act.remaining = 0, 0.0
             return
         served = 0
-        q = dr.queue
-        while q:
-            a = q.popleft()
-            served += a.prefill_tokens
-            ld.prefill_tokens -= a.remaining
-            a.prefill_tokens, a.remaining = 0, 0.0
-            if a is act:
-                break
+        for q in (dr.drained, dr.queue):  # every entry up to act's seq: drained ones come first
+            while q and q[0].seq <= act.seq:
+                a = q.popleft()
+                served += a.prefill_tokens
+                ld.prefill_tokens -= a.remaining
+                a.prefill_tokens, a.remaining = 0, 0.0
         spent = now - dr.busy_since
         if served and spent > 0:
             dr.tokens = dr.tokens * RATE_DECAY + served
@@ -186,10 +196,10 @@ class LoadTracker:
         dr = self._drains.get(worker_id)
         if dr is None:
             return
-        q = dr.queue
-        while q and q[0].prefill_tokens == 0:
-            q.popleft()
-        if not q:
+        for q in (dr.drained, dr.queue):
+            while q and q[0].prefill_tokens == 0:
+                q.popleft()
+        if not dr.queue:
             self.load(worker_id).prefill_tokens = 0
 
     def expire(self, now: float | None = None) -> int:

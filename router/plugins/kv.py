@@ -29,7 +29,10 @@ The frontend passes its own `kv_overlap_weight`, `kv_reuse_weight` and `kv_reque
 which says which measurements chose them: benchmarks/results/routing_*.md).
 active_prefill_tokens and active_blocks are the router's own bookkeeping (router/load.py: booked at
 route time as the uncached prompt tokens and all prompt blocks, prefill released at the first
-token, blocks at completion, on every path), so a worker is never invisible as loaded.
+token, blocks at completion, on every path), so a worker is never invisible as loaded. The frontend
+also drains the booked prefill at each worker's measured prefill rate (`kv_prefill_drain`, router/load.py):
+active_prefill_tokens is then the estimated prefill left, not what was booked, so a worker near the end of
+a long prompt reads as nearly free (Dynamo keeps the whole prompt booked until its first token).
 Unlike Dynamo, active blocks are not deduplicated across requests sharing a prefix: each in-flight
 request counts all the blocks it reads, which spreads a hot prefix over more workers sooner.
 

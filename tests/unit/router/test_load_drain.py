@@ -129,3 +129,18 @@ def test_random_callbacks_keep_the_books_exact():
         t.on_complete(rid)
     for w in ("w0", "w1", "w2"):
         assert pf(t, w) == 0 and t.load(w).inflight_requests == 0 and t.load(w).active_blocks == 0
+
+
+def test_prompts_estimated_done_are_not_walked_again():
+    """advance() moves what it drains out of the queue it walks; their first tokens still settle them in order."""
+    t = LoadTracker(drain=True)
+    t.on_routed("warm", "w0", 1000, 16, now=0.0)
+    t.on_first_token("warm", now=0.001)  # 1M tok/s
+    for i in range(500):
+        t.on_routed(f"r{i}", "w0", 100, 16, now=1.0)  # identical fields: each must still be told apart
+    t.advance(now=1.0 + 0.02495)  # ~24,950 tokens: 249 prompts done, the 250th half
+    dr = t._drains["w0"]
+    assert (len(dr.drained), len(dr.queue)) == (249, 251) and pf(t) == pytest.approx(25_050, abs=1)
+    t.on_first_token("r300", now=1.1)  # FCFS: r0..r300 are done, whether estimated so or not
+    assert (len(dr.drained), len(dr.queue)) == (0, 199) and pf(t) == pytest.approx(19_900)
+    assert t._active["r300"].prefill_tokens == 0 and t._active["r301"].prefill_tokens == 100
