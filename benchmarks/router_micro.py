@@ -414,6 +414,7 @@ def main() -> None:
     ap.add_argument("--dynamo-python", default=str(DYNAMO_PYTHON),
                     help="Dynamo's interpreter for dynamo_radix_micro.py (default: <repo>/.venv-dynamo/bin/python)")
     ap.add_argument("--no-dynamo", action="store_true", help="skip the Dynamo side")
+    ap.add_argument("--no-drain", action="store_true", help="the router without prefill drain (router/load.py)")
     ap.add_argument("--dynamo-timeout", type=float, default=3600)
     args = ap.parse_args()
     command = shlex.join(["python", "benchmarks/router_micro.py"] + sys.argv[1:])
@@ -443,7 +444,7 @@ def main() -> None:
     ingest.update(bench_event_sizes(rng))
 
     # the frontend's load bookkeeping: prefill drain on (router/load.py), each worker with a measured rate
-    router = Router(build_policy("kv", index=ix, seed=7), LoadTracker(drain=True))
+    router = Router(build_policy("kv", index=ix, seed=7), LoadTracker(drain=not args.no_drain))
     endpoints = [Endpoint(worker_id=f"w{w}", url=f"http://127.0.0.1:{8100 + w}", model="m", block_size=BS) for w in range(WORKERS)]
     t_warm = time.monotonic()
     for ep in endpoints:
