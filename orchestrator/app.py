@@ -210,7 +210,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
             m = w.metrics
             workers.append({
                 "worker_id": w.info.worker_id, "model": w.info.model, "backend": w.info.backend, "role": w.info.role.value,
-                "url": w.info.url, "state": w.info.state.value, "inflight": ld.inflight_requests, "prefill_tokens": ld.prefill_tokens,
+                "url": w.info.url, "state": w.info.state.value, "inflight": ld.inflight_requests, "prefill_tokens": round(ld.prefill_tokens),
                 "running": m.num_requests_running if m else None, "waiting": m.num_requests_waiting if m else None,
                 "kv_usage": m.kv_cache_usage if m else None,
                 "prefix_hit_rate": (m.prefix_cache_hits / m.prefix_cache_queries) if m and m.prefix_cache_queries else None,

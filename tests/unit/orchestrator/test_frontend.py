@@ -226,3 +226,9 @@ async def test_requests_reach_telemetry_and_admin_api_needs_token(frontend):
     assert sum(b.osl_sum for b in rows) == 8  # 4 streamed + 4 unary tokens, from the engines' usage
     r = await client.put("/admin/targets", json={"pools": []})  # no admin token configured: writes refused, OpenAI-style
     assert assert_openai_error(r, 403)["code"] == "admin_disabled"
+
+
+def test_router_load_drain_follows_the_config():
+    """kv_prefill_drain (on by default) reaches the router's load bookkeeping; off keeps the booked figure."""
+    assert create_app(FrontendConfig(), InMemoryDiscovery()).state.router.loads.drain is True
+    assert create_app(FrontendConfig(kv_prefill_drain=False), InMemoryDiscovery()).state.router.loads.drain is False
