@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.loadgen import RequestResult, _one, percentiles  # noqa: E402
+from benchmarks.histdelta import hist_delta  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TRACE = ROOT / "benchmarks" / "data" / "mooncake_conversation_trace.jsonl"
@@ -177,7 +178,8 @@ def ttft_floor(workload: list[dict], block_size: int, profile: str = "h200-llama
     tm = TimingModel(load_profile(profile), 1.0)
     hits = oracle_hits(workload, block_size, per_request=True)["per_request"]
     ms = [tm.prefill_ms([(h, len(w["prompt"]) - h)]) for w, h in zip(workload, hits)]
-    return {k: round(float(np.percentile(ms, q)), 1) for k, q in (("p50", 50), ("p90", 90), ("p99", 99))}
+    out = {k: round(float(np.percentile(ms, q)), 1) for k, q in (("p50", 50), ("p90", 90), ("p99", 99))}
+    return {**out, "mean": round(float(np.mean(ms)), 1)}
 
 
 def fleet_bound_hits(workload: list[dict], block_size: int, capacity_blocks: int, bypass: bool = False) -> dict:
@@ -305,12 +307,30 @@ async def router_counters(client: httpx.AsyncClient, port: int) -> dict:
 
 
 async def engine_counters(client: httpx.AsyncClient, ports: list[int]) -> dict:
-    tot = {"hits": 0.0, "queries": 0.0}
+    """Prefix-cache counters summed over the engines, and their /metrics texts (for the histograms)."""
+    tot: dict = {"hits": 0.0, "queries": 0.0, "texts": ""}
+    texts = []
     for p in ports:
         text = (await client.get(f"http://127.0.0.1:{p}/metrics")).text
+        texts.append(text)
         for name, val in METRIC_RE.findall(text):
             tot["hits" if "hits" in name else "queries"] += float(val)
+    tot["texts"] = "\n".join(texts)
     return tot
+
+
+# where a request's TTFT went, as the engines measured it: waiting for the scheduler, then its prefill steps
+# (which also carry the decode batch and other prompts' chunks)
+ENGINE_PHASES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds"}
+
+
+def engine_phases(before: str, after: str, speedup: float) -> dict:
+    """Mean and quantiles of each phase over the run, in profile ms (the histograms' buckets bound the quantiles)."""
+    out = {}
+    for key, name in ENGINE_PHASES.items():
+        d = hist_delta(before, after, name)
+        out[key] = {k: (round(v * 1000 * speedup, 1) if v is not None else None) if k != "n" else v for k, v in d.items()}
+    return out
 
 
 class Cluster:
@@ -444,6 +464,7 @@ async def run_policy(args, policy: str, workload: list[dict], num_gpu_blocks: in
             r_after = await router_counters(c, args.port)
             per_worker = [w.get("generation_tokens") for w in (await c.get(f"http://127.0.0.1:{args.port}/api/cluster")).json()["workers"]]
     dh, dq = after["hits"] - before["hits"], after["queries"] - before["queries"]
+    res["engine_phases_ms"] = engine_phases(before["texts"], after["texts"], args.speedup)
     rd = {k: r_after[k] - r_before[k] for k in ("overlap_blocks", "best_overlap_blocks", "prompt_blocks")}
     if rd["prompt_blocks"]:  # token shares, as the engines' hit rate (blocks × block size / prompt tokens)
         bs = args.block_size
@@ -457,7 +478,8 @@ async def run_policy(args, policy: str, workload: list[dict], num_gpu_blocks: in
                 "hit_rate": round(dh / dq, 4) if dq else None, "loadavg_start": round(la0, 2),
                 "loadavg_end": round(os.getloadavg()[0], 2), "generation_tokens_per_worker": per_worker})
     short = {k: res[k] for k in ("ok", "errors", "wall_s", "req_per_s", "hit_rate", "loadavg_end")}
-    print(f"[{label}] {policy} {kv or ''}: TTFT {res['ttft_ms']} ITL p50 {res['itl_ms']['p50']} {short}", flush=True)
+    phases = {k: v["mean"] for k, v in res["engine_phases_ms"].items()}
+    print(f"[{label}] {policy} {kv or ''}: TTFT {res['ttft_ms']} ITL p50 {res['itl_ms']['p50']} engine mean ms {phases} {short}", flush=True)
     return res
 
 
@@ -489,6 +511,21 @@ def rounds_lines(runs: dict, bound: float) -> list[str]:
     for pol, r in runs.items():
         L.append(f"- {pol}: " + "; ".join(f"{fmt(x['ttft_ms']['p90'])} / {fmt(100 * x['hit_rate'] / bound)}%"
                                           for x in r["rounds"]))
+    return L + [""]
+
+
+def phase_lines(runs: dict) -> list[str]:
+    """Where each policy's TTFT went, from the engines' own histograms (means over all requests of the run)."""
+    have = {pol: r["engine_phases_ms"] for pol, r in runs.items() if r.get("engine_phases_ms")}
+    if not have:
+        return []
+    L = ["Where the time to first token went, by the engines' own histograms (mean ms per request, profile time; medians "
+         "over the rounds): waiting for the scheduler (`vllm:request_queue_time_seconds`), then the prefill steps until the "
+         "first token (`vllm:request_prefill_time_seconds`: the prompt's own chunks, and the steps it shares with other "
+         "prompts' chunks and the decode batch). The client's TTFT adds the frontend, the network and the first token's relay.", ""]
+    for pol, ph in have.items():
+        q, pf = ph.get("queue", {}).get("mean"), ph.get("prefill", {}).get("mean")
+        L.append(f"- {pol}: queue {fmt(q)} + prefill {fmt(pf)} ms (client TTFT mean {fmt(runs[pol]['ttft_ms'].get('mean'))} ms)")
     return L + [""]
 
 
@@ -529,7 +566,7 @@ def write_report(out: dict, cmd: str) -> None:
         if fl:
             L += [f"TTFT floor (each request's own prefill at the infinite oracle's hits on an idle engine, from the profile; "
                   f"no router beats it, queueing is what routing adds): p50 {fmt(fl['p50'])} ms, p90 {fmt(fl['p90'])} ms, "
-                  f"p99 {fmt(fl['p99'])} ms.", ""]
+                  f"p99 {fmt(fl['p99'])} ms" + (f", mean {fmt(fl['mean'])} ms." if fl.get("mean") is not None else "."), ""]
         L += ["| policy | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | req/s | out tok/s | cache hit rate | % of fleet bound | errors |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         bound = (tr.get("fleet_bound") or tr["oracle"])["hit_rate"]
@@ -551,6 +588,7 @@ def write_report(out: dict, cmd: str) -> None:
                   f"kv/rr = **{fmt(tr.get('kv_over_rr_p90'), 3)}**{rr_note}; kv hit rate ≥ 95% of the fleet bound's → "
                   f"**{fmt(tr.get('kv_hit_over_bound_pct'))}%** (of the infinite oracle: {fmt(tr.get('kv_hit_over_oracle_pct'))}%).", ""]
         L += rounds_lines(tr["runs"], bound)
+        L += phase_lines(tr["runs"])
     sp = out.get("shared_prefix")
     if sp:
         q = sp["params"]

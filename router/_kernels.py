@@ -13,6 +13,9 @@
           the kv cost scorer (formula in router/plugins/kv.py), bit-identical floats in both.
     rank_by_score(scores, endpoints, r) -> endpoints, highest score first (missing: 0.0), ties in
           input order, except that the leaders tied for first are rotated by r % their count.
+    kv_rank(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight, request_weight, r)
+          -> (rank_by_score(kv_scores(...), endpoints, r), the scores as bytes of native doubles in endpoint
+          order): the default kv policy's score and rank in one pass, with no float or dict per endpoint.
     merge_loads(endpoints, own_loads) -> None: for each endpoint with an entry in own_loads, copy
           the scraped engine fields into that entry and make it the endpoint's load.
 
@@ -23,9 +26,10 @@ most), where a dict of Python ints costs ~10x the memory and 4 cache misses per 
 from __future__ import annotations
 
 import sys
+from array import array
 
-__all__ = ["IMPLEMENTATION", "MaskTable", "PyMaskTable", "kv_scores", "merge_loads", "py_kv_logits", "py_kv_scores", "py_merge_loads", "py_rank_by_score",
-           "rank_by_score"]
+__all__ = ["IMPLEMENTATION", "MaskTable", "PyMaskTable", "kv_rank", "kv_scores", "merge_loads", "py_kv_logits", "py_kv_rank", "py_kv_scores",
+           "py_merge_loads", "py_rank_by_score", "rank_by_score"]
 
 
 class PyMaskTable:
@@ -136,6 +140,15 @@ def py_rank_by_score(scores: dict[str, float], endpoints: list, r: int) -> list:
     return [endpoints[i] for i in order]
 
 
+def py_kv_rank(endpoints, overlaps: dict[str, int], isl: int, hashed_block_size: int, overlap_weight: float, reuse_weight: float,
+               request_weight: float, r: int) -> tuple[list, bytes]:
+    if not endpoints:
+        return [], b""
+    get = py_kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight, request_weight).get
+    vals = [get(ep.worker_id) for ep in endpoints]
+    return py_rank_by_score(dict(zip([ep.worker_id for ep in endpoints], vals)), endpoints, r), array("d", vals).tobytes()
+
+
 def py_merge_loads(endpoints: list, own_loads: dict) -> None:
     get = own_loads.get
     for ep in endpoints:
@@ -149,9 +162,10 @@ def py_merge_loads(endpoints: list, own_loads: dict) -> None:
 
 
 try:
-    from router._kvcore import MaskTable, kv_scores, merge_loads, rank_by_score
+    from router._kvcore import MaskTable, kv_rank, kv_scores, merge_loads, rank_by_score
 
     IMPLEMENTATION = "c"
 except ImportError:
     MaskTable, kv_scores, rank_by_score, merge_loads = PyMaskTable, py_kv_scores, py_rank_by_score, py_merge_loads  # type: ignore[misc]
+    kv_rank = py_kv_rank
     IMPLEMENTATION = "python"

@@ -28,6 +28,8 @@
  *       router/plugins/kv.py, whose Python version gives bit-identical floats.
  *   rank_by_score(scores, endpoints, r) -> endpoints, highest score first (missing: 0.0), ties in
  *       input order, except that the leaders tied for first are rotated by r % their count.
+ *   kv_rank(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight, request_weight, r)
+ *       -> (rank_by_score(kv_scores(...), endpoints, r), the scores as bytes of native doubles in endpoint order)
  *   merge_loads(endpoints, own_loads) -> None: for each endpoint with an entry in own_loads,
  *       copy the scraped engine fields into that entry and make it the endpoint's load.
  */
@@ -831,35 +833,43 @@ as_double(PyObject *o, double *out)
     return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* ---- kv_scores: Dynamo's cost per endpoint, normalised to [0, 1] (router/plugins/kv.py) ---- */
+/* ---- kv_scores / kv_rank: Dynamo's cost per endpoint, normalised to [0, 1] (router/plugins/kv.py) ---- */
 
-static PyObject *
-kv_scores(PyObject *self, PyObject *args)
-{
+typedef struct {
     PyObject *endpoints, *overlaps;
     long long isl, hashed;
-    double weight, reuse = 1.0, per_request = 0.0;
-    if (!PyArg_ParseTuple(args, "O!O!LLd|dd", &PyList_Type, &endpoints, &PyDict_Type, &overlaps, &isl, &hashed, &weight, &reuse,
-                          &per_request))
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(endpoints);
-    double stackl[128];
-    PyObject *stackw[128];
-    double *logit = n <= 128 ? stackl : PyMem_Malloc(sizeof(double) * (size_t)n);
-    PyObject **wids = n <= 128 ? stackw : PyMem_Malloc(sizeof(PyObject *) * (size_t)n);
-    PyObject *out = NULL, *bso = NULL, *load = NULL, *pfo = NULL, *abo = NULL, *rqo = NULL;
-    Py_ssize_t nw = 0;
-    if (logit == NULL || wids == NULL) {
-        PyErr_NoMemory();
-        goto cleanup;
-    }
-    int any_overlap = PyDict_GET_SIZE(overlaps) > 0;
+    double weight, reuse, per_request;
+} KvArgs;
+
+static int
+kv_parse(PyObject *args, const char *fmt, KvArgs *a, unsigned long long *r)
+{
+    a->reuse = 1.0;
+    a->per_request = 0.0;
+    if (r != NULL)
+        return PyArg_ParseTuple(args, fmt, &PyList_Type, &a->endpoints, &PyDict_Type, &a->overlaps, &a->isl, &a->hashed, &a->weight,
+                                &a->reuse, &a->per_request, r);
+    return PyArg_ParseTuple(args, fmt, &PyList_Type, &a->endpoints, &PyDict_Type, &a->overlaps, &a->isl, &a->hashed, &a->weight,
+                            &a->reuse, &a->per_request);
+}
+
+/* score[k] of every endpoint, in endpoint order: logit(w) (lower is better), then (hi - logit) / (hi - lo), all 1.0
+ * when the logits are equal. With wids != NULL each worker_id (a new reference) goes to wids[k], *nw of them filled
+ * (also on failure, for the caller to release). Returns -1 with an exception set on failure. */
+static int
+kv_scores_c(const KvArgs *a, double *score, PyObject **wids, Py_ssize_t *nw)
+{
+    const long long isl = a->isl, hashed = a->hashed;
+    const double weight = a->weight, reuse = a->reuse, per_request = a->per_request;
+    Py_ssize_t n = PyList_GET_SIZE(a->endpoints);
+    PyObject *wid = NULL, *bso = NULL, *load = NULL, *pfo = NULL, *abo = NULL, *rqo = NULL;
+    int rc = -1;
+    *nw = 0;
+    int any_overlap = PyDict_GET_SIZE(a->overlaps) > 0;
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *ep = PyList_GET_ITEM(endpoints, k);
-        PyObject *wid = slot_get(&ep_cache, ep, EP_NAMES, 3, 0);
-        if (wid == NULL)
+        PyObject *ep = PyList_GET_ITEM(a->endpoints, k);
+        if ((wid = slot_get(&ep_cache, ep, EP_NAMES, 3, 0)) == NULL)
             goto cleanup;
-        wids[nw++] = wid;
         bso = slot_get(&ep_cache, ep, EP_NAMES, 3, 1);
         long long bs = bso ? PyLong_AsLongLong(bso) : -1;
         Py_CLEAR(bso);
@@ -871,12 +881,17 @@ kv_scores(PyObject *self, PyObject *args)
         }
         long long ov = 0;
         if (any_overlap && bs == hashed) {
-            PyObject *o = PyDict_GetItemWithError(overlaps, wid);
+            PyObject *o = PyDict_GetItemWithError(a->overlaps, wid);
             if (o == NULL && PyErr_Occurred())
                 goto cleanup;
             if (o != NULL && (ov = PyLong_AsLongLong(o)) == -1 && PyErr_Occurred())
                 goto cleanup;
         }
+        if (wids != NULL)
+            wids[(*nw)++] = wid;
+        else
+            Py_DECREF(wid);
+        wid = NULL;
         double pf, ab, rq = 0.0;
         if ((load = slot_get(&ep_cache, ep, EP_NAMES, 3, 2)) == NULL)
             goto cleanup;
@@ -896,35 +911,61 @@ kv_scores(PyObject *self, PyObject *args)
         double credit = (reuse - 1.0) * (double)(ov * bs), pfe = pf - credit;
         if (credit > 0 && pfe < 0)
             pfe = pf < 0 ? pf : 0.0;
-        logit[k] = weight * ((double)(isl - ov * bs) + pfe) / (double)bs + ((double)(nb - ov) + ab);
+        score[k] = weight * ((double)(isl - ov * bs) + pfe) / (double)bs + ((double)(nb - ov) + ab);
         if (per_request != 0.0) /* each request in flight holds a batch slot beyond its blocks */
-            logit[k] += per_request * rq;
+            score[k] += per_request * rq;
     }
     double lo = 0, hi = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i == 0 || logit[i] < lo)
-            lo = logit[i];
-        if (i == 0 || logit[i] > hi)
-            hi = logit[i];
+        if (i == 0 || score[i] < lo)
+            lo = score[i];
+        if (i == 0 || score[i] > hi)
+            hi = score[i];
     }
     double span = hi - lo, inv = span > 0 ? 1.0 / span : 0.0;
-    out = _PyDict_NewPresized(n);
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *v = PyFloat_FromDouble(span > 0 ? (hi - logit[i]) * inv : 1.0);
-        if (v == NULL || PyDict_SetItem(out, wids[i], v) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(v);
-    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        score[i] = span > 0 ? (hi - score[i]) * inv : 1.0;
+    rc = 0;
 cleanup:
+    Py_XDECREF(wid);
     Py_XDECREF(bso);
     Py_XDECREF(load);
     Py_XDECREF(pfo);
     Py_XDECREF(abo);
     Py_XDECREF(rqo);
+    return rc;
+}
+
+static PyObject *
+kv_scores(PyObject *self, PyObject *args)
+{
+    KvArgs a;
+    if (!kv_parse(args, "O!O!LLd|dd", &a, NULL))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(a.endpoints), nw = 0;
+    double stacks[128];
+    PyObject *stackw[128];
+    double *score = n <= 128 ? stacks : PyMem_Malloc(sizeof(double) * (size_t)n);
+    PyObject **wids = n <= 128 ? stackw : PyMem_Malloc(sizeof(PyObject *) * (size_t)n);
+    PyObject *out = NULL;
+    if (score == NULL || wids == NULL) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    if (kv_scores_c(&a, score, wids, &nw) < 0)
+        goto cleanup;
+    out = _PyDict_NewPresized(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *v = PyFloat_FromDouble(score[i]);
+        if (v == NULL || PyDict_SetItem(out, wids[i], v) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(v);
+    }
+cleanup:
     for (Py_ssize_t i = 0; i < nw; i++)
         Py_DECREF(wids[i]);
-    if (logit != stackl)
-        PyMem_Free(logit);
+    if (score != stacks)
+        PyMem_Free(score);
     if (wids != stackw)
         PyMem_Free(wids);
     return out;
@@ -988,6 +1029,25 @@ ranked_cmp(const void *a, const void *b)
     return x->i < y->i ? -1 : (x->i > y->i); /* then input order: a stable sort */
 }
 
+/* The endpoints by rk[k].v, highest first, ties in input order, the leaders tied for first rotated by r % ties. */
+static PyObject *
+ranked_list(Ranked *rk, Py_ssize_t n, PyObject *endpoints, unsigned long long r)
+{
+    qsort(rk, (size_t)n, sizeof(Ranked), ranked_cmp);
+    Py_ssize_t ties = 1;
+    while (ties < n && rk[ties].v == rk[0].v)
+        ties++;
+    Py_ssize_t rot = ties > 1 ? (Py_ssize_t)(r % (unsigned long long)ties) : 0;
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t k = 0; out && k < n; k++) {
+        Py_ssize_t src = k < ties ? rk[(k + rot) % ties].i : rk[k].i;
+        PyObject *ep = PyList_GET_ITEM(endpoints, src);
+        Py_INCREF(ep);
+        PyList_SET_ITEM(out, k, ep);
+    }
+    return out;
+}
+
 static PyObject *
 rank_by_score(PyObject *self, PyObject *args)
 {
@@ -1012,20 +1072,48 @@ rank_by_score(PyObject *self, PyObject *args)
         if ((s == NULL && PyErr_Occurred()) || (s != NULL && as_double(s, &rk[k].v) < 0))
             goto done;
     }
-    qsort(rk, (size_t)n, sizeof(Ranked), ranked_cmp);
-    Py_ssize_t ties = 1;
-    while (ties < n && rk[ties].v == rk[0].v)
-        ties++;
-    Py_ssize_t rot = ties > 1 ? (Py_ssize_t)(r % (unsigned long long)ties) : 0;
-    out = PyList_New(n);
-    for (Py_ssize_t k = 0; out && k < n; k++) {
-        Py_ssize_t src = k < ties ? rk[(k + rot) % ties].i : rk[k].i;
-        PyObject *ep = PyList_GET_ITEM(endpoints, src);
-        Py_INCREF(ep);
-        PyList_SET_ITEM(out, k, ep);
-    }
+    out = ranked_list(rk, n, endpoints, r);
 done:
     if (rk != stack)
+        PyMem_Free(rk);
+    return out;
+}
+
+/* ---- kv_rank: kv_scores then rank_by_score in one pass, no score objects (Router.route's fast path) ---- */
+
+static PyObject *
+kv_rank(PyObject *self, PyObject *args)
+{
+    KvArgs a;
+    unsigned long long r;
+    if (!kv_parse(args, "O!O!LLdddK", &a, &r))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(a.endpoints), nw = 0;
+    if (n == 0)
+        return Py_BuildValue("(Ny#)", PyList_New(0), "", (Py_ssize_t)0);
+    double stacks[128];
+    Ranked stackr[128];
+    double *score = n <= 128 ? stacks : PyMem_Malloc(sizeof(double) * (size_t)n);
+    Ranked *rk = n <= 128 ? stackr : PyMem_Malloc(sizeof(Ranked) * (size_t)n);
+    PyObject *ranked = NULL, *out = NULL;
+    if (score == NULL || rk == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (kv_scores_c(&a, score, NULL, &nw) < 0)
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        rk[k].i = k;
+        rk[k].v = score[k];
+    }
+    if ((ranked = ranked_list(rk, n, a.endpoints, r)) == NULL)
+        goto done;
+    /* the scores as native doubles in endpoint order (RoutingDecision builds its dict from them only if asked) */
+    out = Py_BuildValue("(Ny#)", ranked, (const char *)score, (Py_ssize_t)(sizeof(double) * (size_t)n));
+done:
+    if (score != stacks)
+        PyMem_Free(score);
+    if (rk != stackr)
         PyMem_Free(rk);
     return out;
 }
@@ -1037,6 +1125,9 @@ static PyMethodDef methods[] = {
      "merge_loads(endpoints, own_loads) -> None: ep.load = own_loads[ep.worker_id] with the scraped engine fields"},
     {"rank_by_score", rank_by_score, METH_VARARGS,
      "rank_by_score(scores, endpoints, r) -> endpoints by score, highest first; the tied leaders rotated by r % ties"},
+    {"kv_rank", kv_rank, METH_VARARGS,
+     "kv_rank(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight, request_weight, r) -> (ranked, scores as "
+     "native doubles in endpoint order): kv_scores then rank_by_score, in one pass"},
     {"kv_scores", kv_scores, METH_VARARGS,
      "kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight=1.0, request_weight=0.0) -> {worker_id: score in [0, 1]}"},
     {NULL, NULL, 0, NULL},

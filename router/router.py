@@ -21,6 +21,8 @@ from router import _kernels
 from router.hashing import block_hashes_view
 from router.kv_index import KvIndex
 from router.load import LoadTracker
+from router.plugins.kv import KvCostScorer
+from router.plugins.pickers import MaxScorePicker
 from router.policies import Policy, build_policy
 from router.types import Endpoint, RouteRequest, RoutingDecision
 
@@ -51,9 +53,20 @@ class Router:
         self._merge_loads(endpoints)
         if self.policy.index is not None:
             self._match_prefix(request, endpoints[0].block_size)
-        scores = self._score(request, endpoints)
-        ranked = self.policy.picker.rank(scores, endpoints)
-        decision = RoutingDecision(ranked=ranked, scores=scores, policy=self.policy.name, overlap_blocks=request.overlap_blocks)
+        policy = self.policy
+        picker, scorers = policy.picker, policy.scorers
+        if type(picker) is MaxScorePicker and len(scorers) == 1 and type(scorers[0][0]) is KvCostScorer and scorers[0][1] == 1.0:
+            # the kv policy with its argmax picker: score and rank in one pass (router/_kernels.py, kv_rank), the same
+            # ranking as scorer.score then picker.rank, with the same draw from the picker's generator
+            s = scorers[0][0]
+            eps = endpoints if type(endpoints) is list else list(endpoints)
+            ranked, packed = _kernels.kv_rank(eps, request.overlap_blocks, request.isl, request.hashed_block_size, s.overlap_weight,
+                                              s.reuse_weight, s.request_weight, picker._rng.getrandbits(62))
+            decision = RoutingDecision(ranked, None, policy.name, request.overlap_blocks, (eps, packed))
+        else:
+            scores = self._score(request, endpoints)
+            ranked = picker.rank(scores, endpoints)
+            decision = RoutingDecision(ranked, scores, policy.name, request.overlap_blocks)
         self.book(request, ranked[0])
         self.last_decision_s = time.perf_counter() - t0
         return decision

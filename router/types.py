@@ -50,14 +50,32 @@ class Endpoint:
     load: EndpointLoad = field(default_factory=EndpointLoad)
 
 
-@dataclass(slots=True)
 class RoutingDecision:
-    """Endpoints ranked best first; the caller tries them in order (failover without asking again)."""
+    """Endpoints ranked best first; the caller tries them in order (failover without asking again).
 
-    ranked: list[Endpoint]
-    scores: dict[str, float]
-    policy: str
-    overlap_blocks: dict[str, int] = field(default_factory=dict)  # worker_id -> cached prefix blocks
+    `scores` (worker_id -> summed score) is built on first access: the kv policy's fast path hands over its scores
+    as packed doubles in endpoint order (`packed=(endpoints, bytes)`), so a decision nobody inspects costs no
+    dict."""
+
+    __slots__ = ("ranked", "policy", "overlap_blocks", "_scores", "_packed")
+
+    def __init__(self, ranked: list[Endpoint], scores: dict[str, float] | None = None, policy: str = "",
+                 overlap_blocks: dict[str, int] | None = None, packed: tuple[list[Endpoint], bytes] | None = None) -> None:
+        self.ranked = ranked
+        self.policy = policy
+        self.overlap_blocks = {} if overlap_blocks is None else overlap_blocks  # worker_id -> cached prefix blocks
+        self._scores = scores
+        self._packed = packed
+
+    @property
+    def scores(self) -> dict[str, float]:
+        if self._scores is None:
+            if self._packed is None:
+                self._scores = {}
+            else:
+                endpoints, raw = self._packed
+                self._scores = dict(zip([ep.worker_id for ep in endpoints], memoryview(raw).cast("d").tolist()))
+        return self._scores
 
     @property
     def best(self) -> Endpoint:
@@ -66,3 +84,7 @@ class RoutingDecision:
     def overlap_of(self, endpoint: Endpoint) -> int:
         """Prompt blocks already cached on `endpoint` (0 when the policy keeps no KV index)."""
         return self.overlap_blocks.get(endpoint.worker_id, 0)
+
+    def __repr__(self) -> str:
+        return (f"RoutingDecision(ranked={[ep.worker_id for ep in self.ranked]}, policy={self.policy!r}, "
+                f"overlap_blocks={self.overlap_blocks})")

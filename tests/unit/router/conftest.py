@@ -25,6 +25,7 @@ def impl(request, monkeypatch) -> str:
     monkeypatch.setattr(kv_index, "MaskTable", _kernels.PyMaskTable)
     monkeypatch.setattr(kv_plugin, "kv_scores", _kernels.py_kv_scores)
     monkeypatch.setattr(_kernels, "rank_by_score", _kernels.py_rank_by_score)
+    monkeypatch.setattr(_kernels, "kv_rank", _kernels.py_kv_rank)
     monkeypatch.setattr(_kernels, "merge_loads", _kernels.py_merge_loads)
     return "python"
 

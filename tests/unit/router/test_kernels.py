@@ -115,3 +115,31 @@ def test_rank_and_merge_twins_agree():
         _kernels.py_merge_loads(twins[1], owns[1])
         assert [ep.load for ep in twins[0]] == [ep.load for ep in twins[1]]
         assert all(ep.load is owns[0][ep.worker_id] for ep in twins[0] if ep.worker_id in owns[0])
+
+
+@C
+def test_kv_rank_is_kv_scores_then_rank_by_score():
+    """The fused kernel (Router.route's fast path) ranks exactly as the two steps, C and Python alike, and hands
+    over the very scores kv_scores computes, in endpoint order."""
+    rng = random.Random(9)
+    for _ in range(400):
+        eps = [Endpoint(worker_id=f"w{i}", url="u", model="m", block_size=rng.choice([16, 16, 32])) for i in range(rng.randrange(0, 140))]
+        for ep in eps:  # equal loads now and then, so ties for first place are common
+            ep.load = EndpointLoad(inflight_requests=rng.randrange(4), prefill_tokens=rng.choice([0, 0, rng.randrange(9000), 2.5]),
+                                   active_blocks=rng.choice([0, rng.randrange(300)]))
+        ov = {ep.worker_id: rng.randrange(1, 60) for ep in eps if rng.random() < 0.3}
+        args = (eps, ov, rng.randrange(1, 5000), 16, rng.choice([1.0, 16.0]), rng.choice([1.0, 8.0]), rng.choice([0.0, 16.0]))
+        r = rng.getrandbits(62)
+        ranked, packed = _kernels.kv_rank(*args, r)
+        py_ranked, py_packed = _kernels.py_kv_rank(*args, r)
+        assert ranked == py_ranked and packed == py_packed
+        if eps:
+            scores = _kernels.kv_scores(*args)
+            assert ranked == _kernels.rank_by_score(scores, eps, r)
+            assert memoryview(packed).cast("d").tolist() == [scores[ep.worker_id] for ep in eps]
+        else:
+            assert ranked == [] and packed == b""
+    with pytest.raises(ValueError):
+        _kernels.kv_rank([Endpoint(worker_id="w", url="u", model="m", block_size=0)], {}, 10, 16, 1.0, 1.0, 0.0, 0)
+    with pytest.raises(TypeError):
+        _kernels.kv_rank((), {}, 10, 16, 1.0, 1.0, 0.0, 0)  # a list of endpoints, as Router.route passes

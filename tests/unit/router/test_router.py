@@ -120,3 +120,35 @@ def test_remove_worker_forgets_load():
     r.route(req(0), eps(1))
     r.remove_worker("w0")
     assert r.loads.load("w0").inflight_requests == 0
+
+
+def test_kv_fast_path_ranks_and_scores_as_the_generic_path(impl):
+    """Router.route scores and ranks the kv policy in one kernel pass; a policy that takes the generic path (a
+    softmax picker at temperature 0 is the same argmax, with the same seed) gets the same rankings and scores."""
+    import random
+
+    from router import KvIndex
+    from router.plugins import KvCostScorer, SoftmaxPicker
+    from router.policies import Policy
+
+    rng = random.Random(4)
+    fast = Router(build_policy("kv", overlap_weight=16.0, reuse_weight=8.0, request_weight=16.0, index=KvIndex(), seed=3))
+    slow = Router(Policy("kv", SoftmaxPicker(0.0, seed=3), [(KvCostScorer(16.0, 8.0, 16.0), 1.0)], KvIndex()))
+    for r in (fast, slow):  # the same cached prefix on two of the workers
+        for w in ("w1", "w3"):
+            r.kv_index.store(w, [1, 2, 3], None, list(range(48)), 16)
+    for k in range(300):
+        toks = list(range(48)) + [rng.randrange(1000) for _ in range(rng.randrange(0, 80))] if rng.random() < 0.5 else \
+            [rng.randrange(1000, 2000) for _ in range(rng.randrange(1, 120))]
+        got = []
+        first, done = rng.random() < 0.5, rng.random() < 0.4
+        for r in (fast, slow):
+            eps = [Endpoint(worker_id=f"w{i}", url="u", model="m") for i in range(6)]
+            d = r.route(RouteRequest(f"q{k}", "m", list(toks)), eps)
+            assert (d._packed is not None) == (r is fast)  # which path each took
+            got.append(([ep.worker_id for ep in d.ranked], d.scores, d.overlap_blocks))
+            if first:
+                r.on_first_token(f"q{k}")
+            if done:
+                r.on_complete(f"q{k}")
+        assert got[0] == got[1]
