@@ -142,6 +142,25 @@ def rounds_summary(per_round: list[list[int]]) -> dict:
             "round_p50s_us": [round(pct(ts, 0.5) / 1000, 1) for ts in per_round]}
 
 
+def _timed_rounds(prompts: list[list[int]], n: int, rounds: int, fresh_from: int | None, pool: array | None, one) -> dict:
+    """`rounds` rounds of n timed calls `one(request_id, token_ids) -> ns` after 100 untimed ones, each given a
+    fresh list of fresh ints (as the tokenizer hands it over; building it is not timed)."""
+    per_round = []
+    off = 0
+    for r in range(rounds):
+        times = []
+        for k in range(n + 100):
+            toks = prompts[k % len(prompts)].tolist()
+            if fresh_from is not None:
+                off += 1
+                toks[fresh_from:] = pool[off: off + PROMPT - fresh_from].tolist()
+            dt = one(f"q{r}-{k}", toks)
+            if k >= 100:
+                times.append(dt)
+        per_round.append(times)
+    return rounds_summary(per_round)
+
+
 def bench_route(router: Router, endpoints: list[Endpoint], prompts: list[list[int]], n: int, rounds: int,
                 fresh_from: int | None = None, pool: array | None = None) -> dict:
     """`rounds` rounds of n decisions: all samples, and the quietest round (lowest p50) on its own,
@@ -151,25 +170,14 @@ def bench_route(router: Router, endpoints: list[Endpoint], prompts: list[list[in
     routed twice would be a hit the second time. With `fresh_from` every request's tokens from that position on
     are a window of `pool` no earlier request used (shifted by one token: every block differs), so a miss stays
     a miss and a half prompt stays half cached; the full prompts add nothing pending (their worker holds them)."""
-    per_round = []
-    off = 0
-    for r in range(rounds):
-        times = []
-        for k in range(n + 100):
-            # a fresh list of fresh ints per request, as the tokenizer hands it over (not timed)
-            toks = prompts[k % len(prompts)].tolist()
-            if fresh_from is not None:
-                off += 1
-                toks[fresh_from:] = pool[off: off + PROMPT - fresh_from].tolist()
-            rq = RouteRequest(request_id=f"q{r}-{k}", model="m", token_ids=toks)
-            t0 = time.perf_counter_ns()
-            router.route(rq, endpoints)
-            dt = time.perf_counter_ns() - t0
-            router.on_complete(rq.request_id)
-            if k >= 100:
-                times.append(dt)
-        per_round.append(times)
-    return rounds_summary(per_round)
+    def one(rid: str, toks: list[int]) -> int:
+        rq = RouteRequest(request_id=rid, model="m", token_ids=toks)
+        t0 = time.perf_counter_ns()
+        router.route(rq, endpoints)
+        dt = time.perf_counter_ns() - t0
+        router.on_complete(rid)
+        return dt
+    return _timed_rounds(prompts, n, rounds, fresh_from, pool, one)
 
 
 def bench_core(router: Router, endpoints: list[Endpoint], prompts: list[list[int]], n: int, rounds: int,
@@ -180,24 +188,14 @@ def bench_core(router: Router, endpoints: list[Endpoint], prompts: list[list[int
     ix = router.kv_index
     s = router.policy.scorers[0][0]
     rng = random.Random(11)
-    per_round = []
-    off = 0
-    for _ in range(rounds):
-        times = []
-        for k in range(n + 100):
-            toks = prompts[k % len(prompts)].tolist()
-            if fresh_from is not None:
-                off += 1
-                toks[fresh_from:] = pool[off: off + PROMPT - fresh_from].tolist()
-            t0 = time.perf_counter_ns()
-            h = block_hashes_view(toks, BS)
-            ov = ix.find_matches(h)
-            _kernels.kv_rank(endpoints, ov, len(toks), BS, s.overlap_weight, s.reuse_weight, s.request_weight, rng.getrandbits(62))
-            dt = time.perf_counter_ns() - t0
-            if k >= 100:
-                times.append(dt)
-        per_round.append(times)
-    return rounds_summary(per_round)
+
+    def one(rid: str, toks: list[int]) -> int:
+        t0 = time.perf_counter_ns()
+        h = block_hashes_view(toks, BS)
+        ov = ix.find_matches(h)
+        _kernels.kv_rank(endpoints, ov, len(toks), BS, s.overlap_weight, s.reuse_weight, s.request_weight, rng.getrandbits(62))
+        return time.perf_counter_ns() - t0
+    return _timed_rounds(prompts, n, rounds, fresh_from, pool, one)
 
 
 def bench_parts(router: Router, endpoints: list[Endpoint], prompts: list[list[int]], n: int) -> dict:
