@@ -162,6 +162,23 @@ def convert_profile(tmp: Path) -> Path:
     return npz
 
 
+def mocker_profile(tmp: Path, npz: Path) -> Path:
+    """kvyard's sim on the mocker's terms: the bundled H200 profile with its prefill curve replaced by the one Dynamo's
+    converter wrote for the mocker (`perf_data.npz`), for `--prefill-pricing new-tokens` (workers/sim/timing.py)."""
+    from workers.sim.profiles import BUNDLED, DEFAULT_PROFILE, PROFILES_DIR
+
+    src = PROFILES_DIR / BUNDLED[DEFAULT_PROFILE][0]
+    dest = tmp / "kvyard-mocker-profile"
+    shutil.copytree(src, dest, dirs_exist_ok=True)
+    with np.load(npz) as m, np.load(src / "prefill.npz") as ours:
+        arrays = {k: ours[k] for k in ours.files}
+        isl, ttft = np.asarray(m["prefill_isl"], dtype=float), np.asarray(m["prefill_ttft_ms"], dtype=float)
+    arrays["prefill_isl"], arrays["prefill_ttft"] = isl.reshape(1, -1), ttft.reshape(1, -1)
+    arrays["prefill_thpt_per_gpu"] = (isl / np.maximum(ttft, 1e-9) * 1000.0).reshape(1, -1)
+    np.savez(dest / "prefill.npz", **arrays)
+    return dest
+
+
 class DynamoCluster:
     """Dynamo's mocker (N workers in one process) + frontend, each in its own session, stopped by PID group."""
 
@@ -351,6 +368,11 @@ def write_report(out: dict) -> None:
          "file discovery, TCP request plane, ZMQ events. Same requests (token ids), same open-loop schedule, same client "
          "(benchmarks/loadgen.py). Hit rate = reused prompt tokens / prompt tokens over the fleet (kvyard: engines' "
          "prefix-cache counters; Dynamo: its frontend's cached-token and input-token sums).", ""]
+    if p.get("kvyard_engine") == "mocker":
+        L += ["**kvyard's engines on the mocker's terms** (`--kvyard-engine mocker`): kvyard's sim takes the prefill curve Dynamo's "
+              "converter wrote for the mocker and prices each step's prefill by its new tokens only, as the mocker does "
+              "(`--prefill-pricing new-tokens`; decode from the profile as before), so both stacks' engines charge a prefix "
+              "hit alike and the rows compare the routers and frontends.", ""]
     for sec, title in (("trace", "Mooncake conversation trace"), ("shared_prefix", "Shared-prefix workload")):
         d = out.get(sec)
         if not d:
@@ -449,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hit-pairs", type=int, default=8, help="hit path: cold/hot pairs per stack")
     ap.add_argument("--skip", default="", help="comma list of: trace, shared, hitpath")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of the four loaded runs per workload; rows are medians")
+    ap.add_argument("--kvyard-engine", choices=["profile", "mocker"], default="profile",
+                    help="kvyard's sim prices prefill by the profile (default), or as the mocker does: Dynamo's converted "
+                         "prefill curve, new tokens only (to compare the routers on one engine model)")
     ap.add_argument("--out", default="dynamo_compare", help="results/<out>.json, .md, .png")
     return ap
 
@@ -460,7 +485,9 @@ async def amain(args, command: str) -> dict:
                  "machine": f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}", "command": command,
                  "loadavg": {"start": round(os.getloadavg()[0], 2)},
                  "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "notes": []}
-    convert_profile(tmp)  # fail early if Dynamo is missing or its converter breaks
+    npz = convert_profile(tmp)  # fail early if Dynamo is missing or its converter breaks
+    if args.kvyard_engine == "mocker":
+        args.engine_extra = ["--profile", str(mocker_profile(tmp, npz)), "--prefill-pricing", "new-tokens"]
     if "trace" not in skip:
         wl = trace_workload(args.trace, args.requests, args.compression, args.osl_scale)
         rate = len(wl) / wl[-1]["t"] if wl[-1]["t"] else None

@@ -347,7 +347,8 @@ class Cluster:
         `pool_args` says which workers to start."""
         self.args, self.policy, self.ports = args, policy, []
         cfg = tmp / f"up-{tag}.yaml"
-        conf = {"engine_args": ["--num-gpu-blocks", str(num_gpu_blocks)], "log_dir": str(tmp / f"logs-{tag}")}
+        conf = {"engine_args": ["--num-gpu-blocks", str(num_gpu_blocks), *getattr(args, "engine_extra", [])],
+                "log_dir": str(tmp / f"logs-{tag}")}
         if frontend:
             conf["frontend"] = frontend
         cfg.write_text(json.dumps(conf))

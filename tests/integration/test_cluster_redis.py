@@ -130,17 +130,25 @@ async def test_client_disconnect_aborts_engine_request(cluster):
     async with httpx.AsyncClient(timeout=30) as c:
         async with c.stream("POST", cluster.base + "/v1/completions",
                             json={"model": MODEL, "prompt": "go on forever", "max_tokens": 2000, "stream": True}) as resp:
-            n = 0
-            async for _ in resp.aiter_raw():
-                n += 1
-                if n >= 3:
+            assert resp.status_code == 200
+            seen: list[bytes] = []
+            async for chunk in resp.aiter_raw():
+                seen.append(chunk)
+                if len(seen) >= 3:
                     break
-            deadline = time.monotonic() + 5  # the gauge is sampled by the engine's loop: allow it a moment
+            assert len(seen) >= 3, f"the stream ended early: {b''.join(seen)[:500]!r}"
+            # the gauge is sampled by the engine's loop: allow it a moment (longer on a loaded box: once, during the
+            # full suite, 5 s were not enough)
+            deadline = time.monotonic() + 15
             running = parse_vllm_metrics((await c.get(engine + "/metrics")).text).num_requests_running
             while running != 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
                 running = parse_vllm_metrics((await c.get(engine + "/metrics")).text).num_requests_running
-            assert running == 1
+            if running != 1:
+                gauges = [ln for ln in (await c.get(engine + "/metrics")).text.splitlines() if "num_requests" in ln]
+                pytest.fail(f"the engine shows {running} requests running while the stream is open; stream so far "
+                            f"{b''.join(seen)[:300]!r}; engine gauges {gauges}; frontend /api/cluster "
+                            f"{(await c.get(cluster.base + '/api/cluster')).text[:1500]}")
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             if parse_vllm_metrics((await c.get(engine + "/metrics")).text).num_requests_running == 0:

@@ -9,6 +9,7 @@ vLLM flags (same names and defaults as vLLM 0.32 where they matter here):
 Sim flags:
   --profile h200-llama3.1-8b | h100-llama3.3-70b-tp2|tp4|tp8 | <dir with prefill.npz, decode.npz>
   --speedup 1.0 (all step times divided by it)   --num-gpu-blocks (default max_kv_tokens // block_size)
+  --prefill-pricing profile (a chunk costs T(cached + new) - T(cached)) | new-tokens (T(new): Dynamo's mocker)
   --seed 0 (output text)   --hash-seed (NONE_HASH seed; the CLI passes PYTHONHASHSEED like vLLM does)
   --uvicorn-loop auto|asyncio|uvloop   --uvicorn-http auto|h11|httptools (auto: the fastest installed)
 Unknown vLLM flags are accepted and ignored, so a vLLM command line runs unchanged.
@@ -79,6 +80,7 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     num_gpu_blocks: int | None = None
     speedup: float = 1.0
+    prefill_pricing: str = "profile"  # or "new-tokens" (Dynamo's mocker; workers/sim/timing.py)
     seed: int = 0
     hash_seed: str = DEFAULT_SEED
     enable_prefix_caching: bool = True
@@ -126,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
     p.add_argument("--profile", default=None)
     p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--prefill-pricing", choices=["profile", "new-tokens"], default="profile",
+                   help="profile: a chunk costs T(cached + new) - T(cached); new-tokens: T(new) (Dynamo's mocker)")
     p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hash-seed", default=None)
@@ -194,6 +198,7 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None, 
         max_num_batched_tokens=ns.max_num_batched_tokens,
         num_gpu_blocks=ns.num_gpu_blocks,
         speedup=ns.speedup,
+        prefill_pricing=ns.prefill_pricing,
         seed=ns.seed,
         hash_seed=ns.hash_seed or hash_seed or DEFAULT_SEED,
         enable_prefix_caching=ns.enable_prefix_caching,

@@ -84,7 +84,7 @@ def build_state(cfg: SimConfig, tokenizer: SimTokenizer | None = None) -> SimSta
         hasher=BlockHasher(cfg.block_size, cfg.hash_seed),
     )
     tok = tokenizer or SimTokenizer()
-    engine = SimEngine(sched, TimingModel(profile, cfg.speedup))
+    engine = SimEngine(sched, TimingModel(profile, cfg.speedup, cfg.prefill_pricing))
     cache_info = {
         "block_size": str(cfg.block_size), "cache_dtype": "auto", "enable_prefix_caching": str(cfg.enable_prefix_caching),
         "num_gpu_blocks": str(num_blocks), "num_gpu_blocks_override": str(cfg.num_gpu_blocks),

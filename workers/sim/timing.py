@@ -21,6 +21,12 @@ Decode (profile: ITL over points (kv_usage u, context length c), grouped in rows
             measured), then linear in c between the two rows (clamped outside the rows' range).
     D     = ITL(u, c)                                    (0 when the step has no decode)
 
+Prefill pricing "new-tokens" (`--prefill-pricing new-tokens`, Dynamo's mocker): P = T(sum_i n_i) for a step with
+prefill, the new tokens alone, whatever is cached before them; a prefix hit then saves T(p + n) - T(n) instead of
+T(p) - T0. Not the default: the profile measures a prompt from scratch, and computing n tokens after p cached ones
+attends to all p + n (the marginal cost above). It exists to run kvyard on the mocker's terms in the side-by-side
+benchmark (benchmarks/dynamo_compare.py --kvyard-engine mocker).
+
 Step time = (P + D) / speedup, in milliseconds. This is the same split as Dynamo's mocker
 (`prefill_ms + decode_ms`, /speedup) with its "interpolated" model, but with prefill charged per
 chunk as a TTFT difference so chunking and prefix hits are priced by the profile itself.
@@ -72,9 +78,14 @@ def isotonic(ys: Sequence[float]) -> list[float]:
 
 
 class TimingModel:
-    def __init__(self, profile: Profile, speedup: float = 1.0) -> None:
+    PRICINGS = ("profile", "new-tokens")
+
+    def __init__(self, profile: Profile, speedup: float = 1.0, prefill_pricing: str = "profile") -> None:
         if speedup <= 0:
             raise ValueError("speedup must be positive")
+        if prefill_pricing not in self.PRICINGS:
+            raise ValueError(f"prefill_pricing must be one of {self.PRICINGS}, not {prefill_pricing!r}")
+        self.prefill_pricing = prefill_pricing
         self.profile = profile
         self.speedup = speedup
         self._isl = [float(v) for v in profile.prefill_isl]
@@ -101,6 +112,8 @@ class TimingModel:
         """P for one step; `starts_request`: some chunk is a request's first since admission."""
         if not chunks:
             return 0.0
+        if self.prefill_pricing == "new-tokens":
+            return self.ttft_ms(sum(n for _, n in chunks))
         total = self.t0_ms if starts_request else 0.0
         for p, n in chunks:
             total += self.ttft_ms(p + n) - self.ttft_ms(p)

@@ -175,3 +175,34 @@ def test_ttft_floor_prices_each_prompt_at_the_oracles_hits():
     assert ttft_floor(one, 16)["p50"] == round(tm.ttft_ms(4096), 1)
     floor = ttft_floor(wl, 16)
     assert floor["p50"] < ttft_floor(one, 16)["p50"] and floor["p99"] <= round(tm.ttft_ms(4096), 1)
+
+
+def test_engine_phases_and_rate_sweep_summary():
+    """The routing bench's queue/prefill split (histogram deltas, wall s -> profile ms) and the rate sweep's verdicts."""
+    from benchmarks.routing import engine_phases
+    from benchmarks.routing_rate_sweep import render, summarise
+
+    def hist(name, count, total):
+        return (f'# TYPE {name} histogram\n{name}_bucket{{le="0.5"}} {count}\n{name}_bucket{{le="+Inf"}} {count}\n{name}_sum {total}\n{name}_count {count}\n')
+    before = hist("vllm:request_queue_time_seconds", 2, 0.2) + hist("vllm:request_prefill_time_seconds", 2, 1.0)
+    after = hist("vllm:request_queue_time_seconds", 6, 1.0) + hist("vllm:request_prefill_time_seconds", 6, 3.0)
+    ph = engine_phases(before, after, speedup=0.25)
+    assert ph["queue"]["n"] == 4 and ph["queue"]["mean"] == pytest.approx(50.0)  # 0.8 s / 4 wall -> 0.05 s × 0.25 × 1000
+    assert ph["prefill"]["mean"] == pytest.approx(125.0)
+
+    def run(p90s, hit=0.16):
+        rounds = [{"ttft_ms": {"p50": 1.0, "p90": x}} for x in p90s]
+        return {"ttft_ms": {"p50": 1.0, "p90": sorted(p90s)[len(p90s) // 2]}, "hit_rate": hit, "rounds": rounds,
+                "engine_phases_ms": {"queue": {"mean": 10.0}, "prefill": {"mean": 20.0}}}
+
+    def res(kv, rr, ratios):
+        return {"trace": {"params": {"rate_profile": 21.2}, "runs": {"kv": run(kv), "round-robin": run(rr, 0.05)},
+                          "kv_over_rr_p90": sorted(ratios)[len(ratios) // 2], "kv_over_rr_p90_rounds": ratios,
+                          "kv_hit_over_bound_pct": 96.4, "ttft_floor_ms": {"p90": 572.0}}}
+    met = summarise(7.0, res([800, 850], [2800, 3000], [0.286, 0.283]), unloaded_p90=578.0)
+    low = summarise(5.0, res([700], [1450], [0.483]), unloaded_p90=578.0)
+    assert met["round_robin"]["p90_over_unloaded"] == pytest.approx(3000 / 578, abs=0.01) and met["kv"]["round_p90s"] == [800, 850]
+    text = render({"params": {"repeats": 2, "num_gpu_blocks": 59064, "requests": 500, "out": "x", "unloaded_requests": 40},
+                   "when": "now", "machine": "m", "command": "c", "unloaded_ms": {"p50": 147.0, "p90": 578.0}, "rates": [low, met]})
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| 5 ") or line.startswith("| 7 ")}
+    assert "missed (rr < 3× unloaded)" in rows["5"] and "| met |" in rows["7"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -142,3 +144,20 @@ def test_cli_kv_events_config_like_vllm():
     cfg = parse_args(["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "t"}'])
     assert cfg.kv_events.publisher == "zmq" and cfg.kv_events.active and cfg.kv_events.buffer_steps == 10000
     assert not parse_args([]).kv_events.active and parse_args([]).kv_events.publisher == "null"
+
+
+def test_new_tokens_pricing_is_the_mockers():
+    """--prefill-pricing new-tokens: a step's prefill costs T(its new tokens), cached ones free (Dynamo's mocker);
+    the default charges the marginal cost after the cached prefix, which grows with the context on a convex curve."""
+    curved = dataclasses.replace(toy_profile(), prefill_ttft_ms=np.array([11.0, 21.0, 41.0]))  # slope 0.01 ms/token up to 1,100 tokens, then 0.02; T0 = 10
+    tm, mock = TimingModel(curved), TimingModel(curved, prefill_pricing="new-tokens")
+    assert tm.prefill_ms([(1100, 1000)]) == pytest.approx(10.0 + 20.0)  # T0 + T(2100) - T(1100)
+    assert mock.prefill_ms([(1100, 1000)]) == pytest.approx(20.0)  # T(1000), the 1,100 cached tokens free
+    assert mock.prefill_ms([(0, 2100)]) == pytest.approx(tm.prefill_ms([(0, 2100)])) == pytest.approx(41.0)  # no cache: equal
+    assert mock.prefill_ms([(0, 600), (600, 500)], starts_request=False) == pytest.approx(21.0)  # T(600 + 500)
+    assert mock.prefill_ms([]) == 0.0
+    with pytest.raises(ValueError):
+        TimingModel(curved, prefill_pricing="free")
+    from workers.sim.config import parse_args
+    assert parse_args(["--prefill-pricing", "new-tokens"]).prefill_pricing == "new-tokens"
+    assert parse_args([]).prefill_pricing == "profile"
