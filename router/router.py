@@ -1,7 +1,8 @@
 """Router: the one entry point the frontend calls per request.
 
 route() = merge loads -> match the prompt prefix (policies with a KV index) -> score (weighted,
-clamped) -> pick (ranking) -> book the load on the best endpoint.
+clamped) -> pick (ranking) -> book the load on the best endpoint. The kv policy with its argmax picker (the
+default) scores and ranks in one C pass (router/_kernels.py, kv_rank), with the same result.
 
 The prefix step hashes the prompt once (router/hashing.py, at the block size of the first
 endpoint; a model's workers share one) into `request.block_hashes` (a uint64 memoryview: a
@@ -61,7 +62,7 @@ class Router:
             s = scorers[0][0]
             eps = endpoints if type(endpoints) is list else list(endpoints)
             ranked, packed = _kernels.kv_rank(eps, request.overlap_blocks, request.isl, request.hashed_block_size, s.overlap_weight,
-                                              s.reuse_weight, s.request_weight, picker._rng.getrandbits(62))
+                                              s.reuse_weight, s.request_weight, picker.draw())
             decision = RoutingDecision(ranked, None, policy.name, request.overlap_blocks, (eps, packed))
         else:
             scores = self._score(request, endpoints)

@@ -32,9 +32,13 @@ class MaxScorePicker:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
+    def draw(self) -> int:
+        """The tie-break draw of one ranking: the tied leaders are rotated by it (r % ties), so each is first with
+        p ~ 1/ties. Router.route draws it for its fused kv pass (router/_kernels.py, kv_rank) as rank() does."""
+        return self._rng.getrandbits(62)
+
     def rank(self, scores: dict[str, float], endpoints: list[Endpoint]) -> list[Endpoint]:
-        # the tied leaders are rotated by a uniform offset (r % ties): each is first with p ~ 1/ties
-        return _kernels.rank_by_score(scores, endpoints if type(endpoints) is list else list(endpoints), self._rng.getrandbits(62))
+        return _kernels.rank_by_score(scores, endpoints if type(endpoints) is list else list(endpoints), self.draw())
 
 
 class SoftmaxPicker:
