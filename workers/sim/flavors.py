@@ -73,6 +73,23 @@ def split_per_page(events: Iterable[KvEvent]) -> list[KvEvent]:
     return out
 
 
+def _families(kind, prefix: str, rows, labels: list[str], values: list[str]):
+    """One metric family of `kind` (Gauge/CounterMetricFamily) per (name, doc, value) row, with one labelled sample."""
+    for name, doc, value in rows:
+        m = kind(f"{prefix}{name}", doc, labels=labels)
+        m.add_metric(values, float(value))
+        yield m
+
+
+def _histograms(prefix: str, hists, rows, labels: list[str], values: list[str]):
+    """One histogram family per (name, key into `hists`, doc) row: the engine's own buckets and sum."""
+    for name, key, doc in rows:
+        h = hists[key]
+        m = HistogramMetricFamily(f"{prefix}{name}", doc, labels=labels)
+        m.add_metric(values, h.buckets(), h.sum)
+        yield m
+
+
 class SglangMetrics:
     """SGLang's Prometheus names over the sim's own counters (see the module docstring)."""
 
@@ -92,7 +109,7 @@ class SglangMetrics:
         self._last = (now, float(b.generation_tokens))
         queries = g["prefix_cache_queries"]
         deferred = g.get("num_requests_waiting_deferred", 0.0)
-        for name, doc, value in (
+        yield from _families(GaugeMetricFamily, "sglang:", (
             ("num_running_reqs", "The number of running requests.", g["num_requests_running"]),
             ("num_queue_reqs", "The number of requests in the waiting queue.", g["num_requests_waiting"] - deferred),
             ("num_used_tokens", "The number of used tokens.", round(g["kv_cache_usage_perc"] * self.kv_tokens)),
@@ -103,28 +120,18 @@ class SglangMetrics:
             ("num_prefill_inflight_queue_reqs", "The number of requests in the prefill inflight queue.", g.get("num_held", 0.0)),
             ("num_decode_prealloc_queue_reqs", "The number of requests in the decode prealloc queue.", 0.0),
             ("num_decode_transfer_queue_reqs", "The number of requests in the decode transfer queue.", deferred),
-        ):
-            m = GaugeMetricFamily(f"sglang:{name}", doc, labels=L)
-            m.add_metric(lv, float(value))
-            yield m
-        for name, doc, value in (
+        ), L, lv)
+        yield from _families(CounterMetricFamily, "sglang:", (
             ("prompt_tokens", "Number of prefill tokens processed.", b.prompt_tokens),
             ("generation_tokens", "Number of generation tokens processed.", b.generation_tokens),
             ("cached_tokens", "Number of cached prompt tokens.", b.prompt_cached),
             ("num_requests", "Number of requests processed.", sum(b.success.values())),
-        ):
-            c = CounterMetricFamily(f"sglang:{name}", doc, labels=L)
-            c.add_metric(lv, float(value))
-            yield c
-        for name, key, doc in (
+        ), L, lv)
+        yield from _histograms("sglang:", b.hist, (
             ("time_to_first_token_seconds", "time_to_first_token_seconds", "Histogram of time to first token in seconds."),
             ("inter_token_latency_seconds", "inter_token_latency_seconds", "Histogram of inter-token latency in seconds."),
             ("e2e_request_latency_seconds", "e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds"),
-        ):
-            h = b.hist[key]
-            m = HistogramMetricFamily(f"sglang:{name}", doc, labels=L)
-            m.add_metric(lv, h.buckets(), h.sum)
-            yield m
+        ), L, lv)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -198,29 +205,22 @@ class TrtllmPrometheus:
         b, g = self.base, self._gauges()
         L, lv = ["model_name"], [b.model_name]
         queries = g["prefix_cache_queries"]
-        for name, doc, value in (
+        yield from _families(GaugeMetricFamily, "trtllm_", (
             ("num_requests_running", "Number of requests currently running.", g["num_requests_running"]),
             ("num_requests_waiting", "Number of requests waiting to be scheduled.", g["num_requests_waiting"]),
             ("kv_cache_utilization", "KV cache utilization (0-1).", g["kv_cache_usage_perc"]),
             ("kv_cache_hit_rate", "KV cache hit rate (0-1).", g["prefix_cache_hits"] / queries if queries else 0.0),
-        ):
-            m = GaugeMetricFamily(f"trtllm_{name}", doc, labels=L)
-            m.add_metric(lv, float(value))
-            yield m
+        ), L, lv)
         c = CounterMetricFamily("trtllm_request_success", "Count of successfully processed requests.", labels=["model_name", "finished_reason"])
         for reason, n in b.success.items():
             c.add_metric([b.model_name, reason], float(n))
         yield c
-        for name, key, doc in (
+        yield from _histograms("trtllm_", b.hist, (
             ("time_to_first_token_seconds", "time_to_first_token_seconds", "Histogram of time to first token in seconds."),
             ("time_per_output_token_seconds", "request_time_per_output_token_seconds", "Histogram of time per output token in seconds."),
             ("e2e_request_latency_seconds", "e2e_request_latency_seconds", "Histogram of end to end request latency in seconds."),
             ("request_queue_time_seconds", "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
-        ):
-            h = b.hist[key]
-            m = HistogramMetricFamily(f"trtllm_{name}", doc, labels=L)
-            m.add_metric(lv, h.buckets(), h.sum)
-            yield m
+        ), L, lv)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
