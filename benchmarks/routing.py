@@ -308,7 +308,7 @@ async def router_counters(client: httpx.AsyncClient, port: int) -> dict:
 
 async def engine_counters(client: httpx.AsyncClient, ports: list[int]) -> dict:
     """Prefix-cache counters summed over the engines, and their /metrics texts (for the histograms)."""
-    tot: dict = {"hits": 0.0, "queries": 0.0, "texts": ""}
+    tot: dict = {"hits": 0.0, "queries": 0.0}
     texts = []
     for p in ports:
         text = (await client.get(f"http://127.0.0.1:{p}/metrics")).text

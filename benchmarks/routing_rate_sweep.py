@@ -32,10 +32,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import routing  # noqa: E402
 
 RESULTS = routing.RESULTS
-
-
-def fmt(v, nd=1) -> str:
-    return routing.fmt(v, nd)
+fmt = routing.fmt
 
 
 def summarise(c: float, res: dict, unloaded_p90: float | None) -> dict:

@@ -144,9 +144,8 @@ def py_kv_rank(endpoints, overlaps: dict[str, int], isl: int, hashed_block_size:
                request_weight: float, r: int) -> tuple[list, bytes]:
     if not endpoints:
         return [], b""
-    get = py_kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight, request_weight).get
-    vals = [get(ep.worker_id) for ep in endpoints]
-    return py_rank_by_score(dict(zip([ep.worker_id for ep in endpoints], vals)), endpoints, r), array("d", vals).tobytes()
+    scores = py_kv_scores(endpoints, overlaps, isl, hashed_block_size, overlap_weight, reuse_weight, request_weight)
+    return py_rank_by_score(scores, endpoints, r), array("d", [scores[ep.worker_id] for ep in endpoints]).tobytes()
 
 
 def py_merge_loads(endpoints: list, own_loads: dict) -> None:

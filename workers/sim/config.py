@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict
 from workers.sim.disagg import FLAVORS, KvTransferConfig
 from workers.sim.hashing import DEFAULT_SEED
 from workers.sim.profiles import BUNDLED, DEFAULT_PROFILE
+from workers.sim.timing import TimingModel
 
 __all__ = ["KvEventsConfig", "SimConfig", "build_parser", "parse_args"]
 
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
     p.add_argument("--profile", default=None)
     p.add_argument("--speedup", type=float, default=1.0)
-    p.add_argument("--prefill-pricing", choices=["profile", "new-tokens"], default="profile",
+    p.add_argument("--prefill-pricing", choices=TimingModel.PRICINGS, default="profile",
                    help="profile: a chunk costs T(cached + new) - T(cached); new-tokens: T(new) (Dynamo's mocker)")
     p.add_argument("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
