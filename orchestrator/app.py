@@ -15,6 +15,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from orchestrator.config import FrontendConfig
 from orchestrator.errors import BadRequestError, KvyardError, ModelNotFoundError, error_response
+from orchestrator.loopwatch import LoopWatch
 from orchestrator.metrics import FrontendMetrics
 from orchestrator.admin import make_admin_router
 from orchestrator.dashboard import make_dashboard_router
@@ -92,8 +93,12 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     guard, admin = make_guards(cfg, metrics)
     tls = TlsFiles.load(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_cert_file else None  # checked now, used by uvicorn and gRPC
 
+    loopwatch = LoopWatch(metrics.loop_lag, metrics.loop_stalls, cfg.loop_stall_s) if cfg.loop_stall_s else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if loopwatch is not None:
+            loopwatch.start()
         await pool.start()
         if service.telemetry is not None:
             service.telemetry.start()
@@ -113,9 +118,12 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
             await service.close()
             for store in (telemetry_store, targets, guard):
                 await store.close()
+            if loopwatch is not None:
+                await loopwatch.close()
 
     app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan)
     app.state.cfg, app.state.pool, app.state.router, app.state.metrics = cfg, pool, router, metrics
+    app.state.loopwatch = loopwatch
     app.state.service = service  # the request path (tests reach the disagg coordinator's books through it)
     app.state.telemetry_store, app.state.targets = telemetry_store, targets
     app.state.guard, app.state.admin, app.state.tls = guard, admin, tls

@@ -89,6 +89,8 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--engine-start-timeout", type=float, default=None,
                     help="seconds an engine may take to become healthy (default 600)")
+    up.add_argument("--engine-cpus", default=None, metavar="LIST",
+                    help="Linux CPU list every engine runs on (e.g. 1-7): keeps the other CPUs for the frontend")
     up.add_argument("--speedup", type=float, default=None, help="sim only: divide simulated step times by this (default 1)")
     up.add_argument("--planner", action="store_true", help="run the planner in-process; it scales the local workers")
     up.add_argument("--planner-interval", type=float, default=30.0, help="seconds between planner ticks (default 30)")
@@ -120,6 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--engine-start-timeout", type=float, default=600.0,
                     help="seconds the engine may take to become healthy, then the worker exits (default 600)")
     wk.add_argument("--engine-python", default=None, help="interpreter of the engine's own environment")
+    wk.add_argument("--engine-cpus", default=None, metavar="LIST", help="Linux CPU list the engine runs on (e.g. 1-7)")
     wk.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="vLLM device (auto: cuda when nvidia-smi is on PATH, else cpu)")
     wk.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: passed to the engine")
@@ -171,11 +174,12 @@ async def _run_up(ns: argparse.Namespace) -> int:
                                        True if fcfg.admin_loopback_reads is None else fcfg.admin_loopback_reads})
     data = load_yaml(ns.config) if ns.config else {}
     data.pop("frontend", None)
+    _cpu_list(ns.engine_cpus)  # a bad list is a clear one-line error, before anything starts
     overrides = {k: v for k, v in {
         "workers": ns.workers, "backend": ns.backend, "model": ns.model, "served_model_name": ns.served_model_name,
         "base_port": ns.base_port, "block_size": ns.block_size, "max_model_len": ns.max_model_len, "speedup": ns.speedup,
         "prefill_workers": ns.prefill_workers, "decode_workers": ns.decode_workers, "flavor": ns.flavor,
-        "engine_start_timeout_s": ns.engine_start_timeout,
+        "engine_start_timeout_s": ns.engine_start_timeout, "engine_cpus": ns.engine_cpus,
     }.items() if v is not None}
     if overrides.get("backend", data.get("backend")) == "vllm":
         for key, value in {"block_size": 32, "max_model_len": 512, "served_model_name": "tiny"}.items():
@@ -254,6 +258,15 @@ async def _run_up(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_list(text: str | None) -> frozenset[int] | None:
+    from workers.types import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text) if text else None
+    except ValueError as exc:
+        raise SystemExit(f"kvyard: --engine-cpus: {exc}") from None
+
+
 async def _run_worker(ns: argparse.Namespace) -> int:
     from orchestrator.disagg.launch import kv_connector_of, pd_registration
     from orchestrator.launcher import default_tokenizer
@@ -267,7 +280,7 @@ async def _run_worker(ns: argparse.Namespace) -> int:
     cfg = EngineLaunchConfig(model=ns.model, served_model_name=ns.served_model_name, host=ns.host, port=ns.port,
                              block_size=ns.block_size, max_model_len=ns.max_model_len,
                              kv_events_endpoint=f"tcp://*:{kv_port}", kv_replay_endpoint=f"tcp://*:{kv_port + 1}",
-                             python=ns.engine_python, extra_args=extra)
+                             python=ns.engine_python, extra_args=extra, cpus=_cpu_list(ns.engine_cpus))
     discovery = RedisDiscovery(ns.redis_url, prefix=ns.discovery_prefix)
     backend = get_backend(ns.backend)
     if ns.backend == "vllm":

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+
+from workers.types import parse_cpu_list
 
 __all__ = ["FrontendConfig", "ClusterConfig", "DisaggConfig", "load_yaml"]
 
@@ -93,6 +95,9 @@ class FrontendConfig(BaseModel):
     saturation_waiting: float = Field(1.0, ge=0)  # ...with at least this many requests waiting (planner queue_up)
     max_tokens_cap: int = Field(0, ge=0)  # largest max_tokens accepted (400 above); 0: only the context length bounds it
     log_requests: bool = False
+    # a frontend event loop that turns this late is a stall: counted, logged with the stack that held it
+    # (orchestrator/loopwatch.py); 0: no watch
+    loop_stall_s: float = Field(1.0, ge=0)
     admin_token: str | None = Field(None, repr=False)  # bearer token of /admin, /dashboard and /api/*; None disables them
     # None: on when there is no admin token and the frontend listens on loopback only (orchestrator/security/guards.py)
     admin_loopback_reads: bool | None = None
@@ -122,7 +127,17 @@ class ClusterConfig(BaseModel):
     speedup: float = Field(1.0, gt=0)
     engine_args: list[str] = Field(default_factory=list)
     engine_start_timeout_s: float = Field(600.0, gt=0)  # an engine not healthy by then fails `kvyard up`
+    # Linux CPU list ("1", "2-7") every engine runs on; None: any CPU. Keeps cores free for the frontend on CPU hosts
+    # (workers/types.py EngineLaunchConfig.cpus says why NIXL P/D engines need it).
+    engine_cpus: str | None = None
     log_dir: Path = Path(".kvyard/logs")
+
+    @field_validator("engine_cpus")
+    @classmethod
+    def _cpu_list(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_cpu_list(v)  # ValueError -> a pydantic validation error naming the field
+        return v
 
 
 def load_yaml(path: str | Path) -> dict:

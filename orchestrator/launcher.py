@@ -16,7 +16,7 @@ from orchestrator.config import ClusterConfig
 from workers.discovery import Discovery
 from workers.registry import get_backend
 from orchestrator.disagg.launch import pd_launch
-from workers.types import EngineLaunchConfig, WorkerRole
+from workers.types import EngineLaunchConfig, WorkerRole, parse_cpu_list
 from workers.worker import WorkerOptions, WorkerSupervisor
 
 __all__ = ["LocalCluster", "default_tokenizer", "engine_config", "port_is_free"]
@@ -52,7 +52,8 @@ def engine_config(c: ClusterConfig, port: int, kv_events_endpoint: str | None, k
         extra += ["--speedup", str(c.speedup)]
     return EngineLaunchConfig(model=c.model, served_model_name=c.served_model_name, host=host, port=port, block_size=c.block_size,
                               max_model_len=c.max_model_len, kv_events_endpoint=kv_events_endpoint,
-                              kv_replay_endpoint=kv_replay_endpoint, extra_args=extra)
+                              kv_replay_endpoint=kv_replay_endpoint, extra_args=extra,
+                              cpus=parse_cpu_list(c.engine_cpus) if c.engine_cpus else None)
 
 
 class LocalCluster:
@@ -62,7 +63,7 @@ class LocalCluster:
         self.backend = get_backend(cfg.backend)
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvyard-"))
         self.supervisors: list[WorkerSupervisor] = []
-        self._tasks: list[asyncio.Task] = []
+        self._running: dict[WorkerSupervisor, asyncio.Task] = {}  # each started worker's run loop (lease renewal)
         self._ports: dict[int, int] = {}  # worker index -> engine port
 
     def engine_port(self, i: int) -> int:
@@ -108,17 +109,28 @@ class LocalCluster:
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         for i, role in enumerate(self.roles()):
             self.supervisors.append(self.make_supervisor(i, role, tok))
-        results = await asyncio.gather(*(s.start() for s in self.supervisors), return_exceptions=True)
+        results = await asyncio.gather(*(self._start_one(s) for s in self.supervisors), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.stop(drain=False)
             raise errors[0]
-        self._tasks = [asyncio.create_task(s.run()) for s in self.supervisors]
+
+    async def _start_one(self, s: WorkerSupervisor) -> None:
+        """Start one worker and keep its lease from the moment it registers: engines start at different speeds
+        (a vLLM engine can take minutes), and a lease left unrenewed until the slowest is up lapses meanwhile."""
+        await s.start()
+        self._running[s] = asyncio.create_task(s.run())
+
+    def running(self) -> list[tuple[WorkerSupervisor, asyncio.Task]]:
+        """Each started worker and its run loop, in start order."""
+        return [(s, self._running[s]) for s in self.supervisors if s in self._running]
 
     async def stop(self, drain: bool = True) -> None:
-        if self._tasks:
-            for s in self.supervisors:
-                s.request_stop()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        else:
-            await asyncio.gather(*(s.shutdown(drain=drain) for s in self.supervisors), return_exceptions=True)
+        """Stop every worker: the running ones through their run loops (drain, deregister, stop the engine), the
+        others (never started, or failed to) directly."""
+        for s in self._running:
+            s.request_stop()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        idle = [s for s in self.supervisors if s not in self._running]
+        await asyncio.gather(*(s.shutdown(drain=drain) for s in idle), return_exceptions=True)
+        self._running.clear()

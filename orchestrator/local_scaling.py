@@ -25,6 +25,6 @@ def local_connector(cluster: LocalCluster) -> LocalConnector:
         return cluster.make_supervisor(i, WorkerRole(pool.role), tok)  # a prefill/decode worker gets its hand-off flags too
 
     conn = LocalConnector(factory, first_ordinal=len(cluster.supervisors))
-    for sup, task in zip(cluster.supervisors, cluster._tasks):
+    for sup, task in cluster.running():
         conn.adopt(PoolKey(cfg.served_model_name, sup.opts.role.value), sup, task)
     return conn

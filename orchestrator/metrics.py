@@ -51,5 +51,9 @@ class FrontendMetrics:
         # disaggregated prefill/decode (orchestrator/disagg): mode remote|local|fallback|rejected, reason as decided
         self.disagg_decisions = Counter("kvyard_disagg_decisions", "Where each request of a disaggregated model was prefilled, and why",
                                         ["mode", "reason"], registry=r)
+        # the event loop itself (orchestrator/loopwatch.py): how late it turns, and stalls past loop_stall_s
+        self.loop_lag = Histogram("kvyard_event_loop_lag_seconds", "How late the frontend's event loop ran a timer",
+                                  buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.loop_stalls = Counter("kvyard_event_loop_stalls", "Times the frontend's event loop ran later than loop_stall_s", registry=r)
         self.disagg_prefill = Histogram("kvyard_disagg_prefill_seconds", "Remote prefill: request sent to hand-off received",
                                         ["model"], buckets=_LAT, registry=r)

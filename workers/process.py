@@ -32,6 +32,16 @@ def _die_with_parent() -> None:
         pass
 
 
+def usable_cpus(cpus: frozenset[int]) -> frozenset[int]:
+    """The CPUs of `cpus` this process may use; EngineStartError when none of them is (a typo'd list must not
+    silently run the engine everywhere)."""
+    allowed = os.sched_getaffinity(0)
+    usable = frozenset(cpus) & allowed
+    if not usable:
+        raise EngineStartError(f"none of the engine CPUs {sorted(cpus)} is available here (this process may use {sorted(allowed)})")
+    return usable
+
+
 class EngineStartError(RuntimeError):
     """The engine exited or never became healthy; the message carries the tail of its log."""
 
@@ -67,9 +77,16 @@ class EngineProcess:
             out = self._log_file
         else:  # no log file (`kvyard worker`): the engine writes where this process does (a container's log)
             out = None
+        cpus = usable_cpus(self.cfg.cpus) if self.cfg.cpus else None
+
+        def before_exec() -> None:
+            _die_with_parent()
+            if cpus:  # inherited by every thread and child process the engine starts
+                os.sched_setaffinity(0, cpus)
+
         self._proc = subprocess.Popen(
             spec.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=before_exec,
         )
 
     def log_tail(self, n: int = 40) -> str:

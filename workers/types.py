@@ -86,6 +86,27 @@ class EngineLaunchConfig:
     python: str | None = None  # interpreter that runs the engine (a separate venv for vLLM)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Linux CPUs the engine and every thread and child of it may run on (workers/process.py); None: any CPU.
+    # On a CPU host this keeps cores for the frontend: vLLM's NixlConnector runs NIXL's UCX progress thread
+    # busy-polling, one core per engine, and two such engines on a 2-core host starved every other process there
+    # for up to 30 s at a time (measured; see `--engine-cpus` in README).
+    cpus: frozenset[int] | None = None
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """A Linux CPU list ("1", "0-3", "1,3,5-7") as a set of CPU numbers; ValueError with the reason otherwise."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            raise ValueError(f"bad CPU list {text!r}: empty item")
+        lo, sep, hi = part.partition("-")
+        if not (lo.isdigit() and (not sep or hi.isdigit())):
+            raise ValueError(f"bad CPU list {text!r}: {part!r} is not N or N-M")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"bad CPU list {text!r}: {part!r} runs backwards")
+        cpus.update(range(a, b + 1))
+    return frozenset(cpus)
 
 
 @dataclass(slots=True)

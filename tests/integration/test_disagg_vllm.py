@@ -23,6 +23,7 @@ computes for the same prompt (the transferred KV is the right KV).
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -111,7 +112,14 @@ def _start(connector: str, python: str, tiny: Path, redis_url: str, tmp: Path) -
         # (after an aggregated request first) stalls until the prefill's 30 s lease expired; float32 takes the
         # vector kernel, and both engines still compute the same greedy answer. Seen on 2026-12-03's machine.
         (tmp / "engine.yaml").write_text('engine_args: ["--dtype", "float32"]\n')
-        spawn("up", ["up", "--config", str(tmp / "engine.yaml"), "--backend", "vllm", "--model", str(tiny), "--served-model-name", MODEL, "--prefill-workers", "1",
+        # Both engines on the CPUs but the first, which stays the frontend's and this test's: vLLM's NixlConnector runs
+        # NIXL's UCX progress thread busy-polling (one core per engine, by design), and with both engines loose on a
+        # 2-vCPU host the frontend went unscheduled for 5-30 s at a time (its loop watch: stalls with ~0 CPU used;
+        # connects to the engines timed out and the local leases lapsed: CI, 2026-12-05). Pinned: no stall, ~3.4 s
+        # per request, measured on the same host.
+        cpus = sorted(os.sched_getaffinity(0))
+        pin = ["--engine-cpus", ",".join(map(str, cpus[1:]))] if len(cpus) > 1 else []
+        spawn("up", ["up", "--config", str(tmp / "engine.yaml"), *pin, "--backend", "vllm", "--model", str(tiny), "--served-model-name", MODEL, "--prefill-workers", "1",
                      "--decode-workers", "1", "--flavor", "vllm", "--port", str(fport), "--grpc-port", "0",
                      "--base-port", str(base), "--block-size", str(BLOCK), "--max-model-len", "512", *disagg])
     else:
