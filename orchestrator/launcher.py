@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import tempfile
 from pathlib import Path
@@ -104,7 +105,19 @@ class LocalCluster:
                              start_timeout_s=self.cfg.engine_start_timeout_s, pd_protocol=pd.pd_protocol, bootstrap_port=pd.bootstrap_port)
         return WorkerSupervisor(self.backend, cfg, self.discovery, opts)
 
+    def nixl_on_shared_cpus(self) -> bool:
+        """True for vLLM-CPU P/D engines (NixlConnector: a busy-polling UCX thread each) left free to run on every CPU,
+        the frontend's included."""
+        on_cpu = self.cfg.backend == "vllm" and getattr(self.backend, "device", None) == "cpu"
+        disagg = any(r != WorkerRole.BOTH for r in self.roles())
+        return on_cpu and disagg and self.cfg.flavor == "vllm" and not self.cfg.engine_cpus
+
     async def start(self) -> None:
+        if self.nixl_on_shared_cpus():
+            log.warning("vLLM-CPU P/D engines with NixlConnector each keep a core busy (NIXL's UCX progress thread polls "
+                        "without pause) and may run on every CPU here, the frontend's too: on a small host requests and "
+                        "leases then time out. Give the engines their own CPUs with --engine-cpus (e.g. 1-%d).",
+                        max(1, len(os.sched_getaffinity(0)) - 1))
         tok = default_tokenizer(self.cfg.backend, self.cfg.model)
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         for i, role in enumerate(self.roles()):

@@ -75,3 +75,16 @@ def test_engines_get_the_clusters_cpu_list(tmp_path) -> None:
     assert LocalCluster(ClusterConfig(workers=1, log_dir=tmp_path), InMemoryDiscovery())._engine_cfg(0).cpus is None
     with pytest.raises(ValidationError, match="engine_cpus"):
         ClusterConfig(engine_cpus="1-")
+
+
+def test_loose_nixl_engines_on_a_cpu_host_are_flagged(tmp_path) -> None:
+    from workers.vllm.backend import VllmBackend
+
+    def cluster(**kw) -> LocalCluster:
+        c = LocalCluster(ClusterConfig(backend="vllm", model="m", log_dir=tmp_path, **kw), InMemoryDiscovery())
+        c.backend = VllmBackend(device="cpu")
+        return c
+
+    assert cluster(prefill_workers=1, decode_workers=1).nixl_on_shared_cpus()
+    assert not cluster(prefill_workers=1, decode_workers=1, engine_cpus="1").nixl_on_shared_cpus()
+    assert not cluster(workers=2).nixl_on_shared_cpus()  # aggregated: no NIXL
