@@ -57,6 +57,12 @@ def engine_config(c: ClusterConfig, port: int, kv_events_endpoint: str | None, k
                               cpus=parse_cpu_list(c.engine_cpus) if c.engine_cpus else None)
 
 
+def _all_but_first_cpu() -> str:
+    """This process's CPUs but the lowest, as a Linux CPU list (what the frontend keeps when engines get the rest)."""
+    cpus = sorted(os.sched_getaffinity(0))[1:] or sorted(os.sched_getaffinity(0))
+    return ",".join(map(str, cpus))
+
+
 class LocalCluster:
     def __init__(self, cfg: ClusterConfig, discovery: Discovery) -> None:
         self.cfg = cfg
@@ -116,8 +122,8 @@ class LocalCluster:
         if self.nixl_on_shared_cpus():
             log.warning("vLLM-CPU P/D engines with NixlConnector each keep a core busy (NIXL's UCX progress thread polls "
                         "without pause) and may run on every CPU here, the frontend's too: on a small host requests and "
-                        "leases then time out. Give the engines their own CPUs with --engine-cpus (e.g. 1-%d).",
-                        max(1, len(os.sched_getaffinity(0)) - 1))
+                        "leases then time out. Give the engines their own CPUs with --engine-cpus (e.g. %s).",
+                        _all_but_first_cpu())
         tok = default_tokenizer(self.cfg.backend, self.cfg.model)
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         for i, role in enumerate(self.roles()):
