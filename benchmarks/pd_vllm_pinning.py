@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.procs import cpu_seconds, descendants, free_port  # noqa: E402
+from workers.process import cpus_but_first  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 TINY = ROOT / ".cache" / "tiny-llama"
@@ -60,10 +61,10 @@ def build_model() -> str:
 
 
 def run_mode(mode: str, n_requests: int, workdir: Path) -> dict:
-    cpus = sorted(os.sched_getaffinity(0))
-    pin = ["--engine-cpus", ",".join(map(str, cpus[1:]))] if mode == "pinned" else []
-    if mode == "pinned" and len(cpus) < 2:
+    rest = cpus_but_first()
+    if mode == "pinned" and rest is None:
         raise SystemExit("pinned needs 2+ CPUs")
+    pin = ["--engine-cpus", rest] if mode == "pinned" else []
     port, base = free_port(), free_port()
     (workdir / "engine.yaml").write_text('engine_args: ["--dtype", "float32"]\n')
     log = workdir / "up.log"

@@ -174,12 +174,11 @@ async def _run_up(ns: argparse.Namespace) -> int:
                                        True if fcfg.admin_loopback_reads is None else fcfg.admin_loopback_reads})
     data = load_yaml(ns.config) if ns.config else {}
     data.pop("frontend", None)
-    _cpu_list(ns.engine_cpus)  # a bad list is a clear one-line error, before anything starts
     overrides = {k: v for k, v in {
         "workers": ns.workers, "backend": ns.backend, "model": ns.model, "served_model_name": ns.served_model_name,
         "base_port": ns.base_port, "block_size": ns.block_size, "max_model_len": ns.max_model_len, "speedup": ns.speedup,
         "prefill_workers": ns.prefill_workers, "decode_workers": ns.decode_workers, "flavor": ns.flavor,
-        "engine_start_timeout_s": ns.engine_start_timeout, "engine_cpus": ns.engine_cpus,
+        "engine_start_timeout_s": ns.engine_start_timeout, "engine_cpus": _cpu_list(ns.engine_cpus),
     }.items() if v is not None}
     if overrides.get("backend", data.get("backend")) == "vllm":
         for key, value in {"block_size": 32, "max_model_len": 512, "served_model_name": "tiny"}.items():

@@ -127,17 +127,15 @@ class ClusterConfig(BaseModel):
     speedup: float = Field(1.0, gt=0)
     engine_args: list[str] = Field(default_factory=list)
     engine_start_timeout_s: float = Field(600.0, gt=0)  # an engine not healthy by then fails `kvyard up`
-    # Linux CPU list ("1", "2-7") every engine runs on; None: any CPU. Keeps cores free for the frontend on CPU hosts
-    # (workers/types.py EngineLaunchConfig.cpus says why NIXL P/D engines need it).
-    engine_cpus: str | None = None
+    # CPUs every engine runs on, given as a Linux CPU list ("1", "2-7"); None: any CPU. Keeps cores free for the frontend
+    # on CPU hosts (workers/types.py EngineLaunchConfig.cpus says why NIXL P/D engines need it).
+    engine_cpus: frozenset[int] | None = None
     log_dir: Path = Path(".kvyard/logs")
 
-    @field_validator("engine_cpus")
+    @field_validator("engine_cpus", mode="before")
     @classmethod
-    def _cpu_list(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_cpu_list(v)  # ValueError -> a pydantic validation error naming the field
-        return v
+    def _cpu_list(cls, v):
+        return parse_cpu_list(v) if isinstance(v, str) else v  # ValueError -> a validation error naming the field
 
 
 def load_yaml(path: str | Path) -> dict:

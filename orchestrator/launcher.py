@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import tempfile
 from pathlib import Path
@@ -17,7 +16,8 @@ from orchestrator.config import ClusterConfig
 from workers.discovery import Discovery
 from workers.registry import get_backend
 from orchestrator.disagg.launch import pd_launch
-from workers.types import EngineLaunchConfig, WorkerRole, parse_cpu_list
+from workers.process import cpus_but_first
+from workers.types import EngineLaunchConfig, WorkerRole
 from workers.worker import WorkerOptions, WorkerSupervisor
 
 __all__ = ["LocalCluster", "default_tokenizer", "engine_config", "port_is_free"]
@@ -53,14 +53,7 @@ def engine_config(c: ClusterConfig, port: int, kv_events_endpoint: str | None, k
         extra += ["--speedup", str(c.speedup)]
     return EngineLaunchConfig(model=c.model, served_model_name=c.served_model_name, host=host, port=port, block_size=c.block_size,
                               max_model_len=c.max_model_len, kv_events_endpoint=kv_events_endpoint,
-                              kv_replay_endpoint=kv_replay_endpoint, extra_args=extra,
-                              cpus=parse_cpu_list(c.engine_cpus) if c.engine_cpus else None)
-
-
-def _all_but_first_cpu() -> str:
-    """This process's CPUs but the lowest, as a Linux CPU list (what the frontend keeps when engines get the rest)."""
-    cpus = sorted(os.sched_getaffinity(0))[1:] or sorted(os.sched_getaffinity(0))
-    return ",".join(map(str, cpus))
+                              kv_replay_endpoint=kv_replay_endpoint, extra_args=extra, cpus=c.engine_cpus)
 
 
 class LocalCluster:
@@ -102,8 +95,7 @@ class LocalCluster:
     def make_supervisor(self, i: int, role: WorkerRole, tokenizer: str | None) -> WorkerSupervisor:
         """Worker i in `role`: its engine gets the flavor's hand-off flags (orchestrator/disagg/launch.py)."""
         cfg = self._engine_cfg(i)
-        on_cpu = self.cfg.backend == "vllm" and getattr(self.backend, "device", None) == "cpu"
-        pd = pd_launch(self.cfg.backend, self.cfg.flavor, role, kv_buffer_device="cpu" if on_cpu else None)
+        pd = pd_launch(self.cfg.backend, self.cfg.flavor, role, kv_buffer_device="cpu" if self.vllm_on_cpu else None)
         cfg.extra_args += pd.extra_args
         cfg.env.update(pd.env)
         opts = WorkerOptions(role=role, tokenizer=tokenizer, worker_id=f"{self.cfg.backend}-{role.value}-{i}" if role != WorkerRole.BOTH
@@ -111,19 +103,22 @@ class LocalCluster:
                              start_timeout_s=self.cfg.engine_start_timeout_s, pd_protocol=pd.pd_protocol, bootstrap_port=pd.bootstrap_port)
         return WorkerSupervisor(self.backend, cfg, self.discovery, opts)
 
+    @property
+    def vllm_on_cpu(self) -> bool:
+        return self.cfg.backend == "vllm" and getattr(self.backend, "device", None) == "cpu"
+
     def nixl_on_shared_cpus(self) -> bool:
         """True for vLLM-CPU P/D engines (NixlConnector: a busy-polling UCX thread each) left free to run on every CPU,
         the frontend's included."""
-        on_cpu = self.cfg.backend == "vllm" and getattr(self.backend, "device", None) == "cpu"
         disagg = any(r != WorkerRole.BOTH for r in self.roles())
-        return on_cpu and disagg and self.cfg.flavor == "vllm" and not self.cfg.engine_cpus
+        return self.vllm_on_cpu and disagg and self.cfg.flavor == "vllm" and not self.cfg.engine_cpus
 
     async def start(self) -> None:
         if self.nixl_on_shared_cpus():
             log.warning("vLLM-CPU P/D engines with NixlConnector each keep a core busy (NIXL's UCX progress thread polls "
                         "without pause) and may run on every CPU here, the frontend's too: on a small host requests and "
-                        "leases then time out. Give the engines their own CPUs with --engine-cpus (e.g. %s).",
-                        _all_but_first_cpu())
+                        "leases then time out. Give the engines their own CPUs with --engine-cpus (here: %s).",
+                        cpus_but_first() or "none to spare, this host has one CPU")
         tok = default_tokenizer(self.cfg.backend, self.cfg.model)
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         for i, role in enumerate(self.roles()):

@@ -106,23 +106,23 @@ class LoopWatch:
             self.worst_s = max(self.worst_s, late)
             if late >= self.stall_s:
                 self.stalls.inc()
+                # CPU time since the last tick, of the loop's thread and of the whole process (the module's table)
+                loop_used = None if cpu is None or self._tick_cpu is None else cpu - self._tick_cpu
+                proc_used = proc_cpu - self._tick_proc_cpu
                 where = ("faulthandler wrote every thread's stack to stderr during it; the loop's is Thread "
                          f"{self._loop_ident:#018x}" if _dump_owner is self else "no stacks: another watch holds faulthandler")
-                log.warning("the event loop stalled %.2f s (%s; %s): engine connections and local leases may have timed "
-                            "out meanwhile; %s", late, self._cpu_used(cpu, proc_cpu), self._diagnosis(cpu, proc_cpu, late), where)
+                log.warning("the event loop stalled %.2f s (CPU time meanwhile: loop thread %s, whole process %.2f s; %s): engine "
+                            "connections and local leases may have timed out meanwhile; %s", late,
+                            "unknown" if loop_used is None else f"{loop_used:.2f} s", proc_used,
+                            self._diagnosis(loop_used, proc_used, late), where)
             self._tick_at, self._tick_cpu, self._tick_proc_cpu = now, cpu, proc_cpu
 
-    def _diagnosis(self, cpu: float | None, proc_cpu: float, late: float) -> str:
-        """Which row of the module's table the stall fits."""
-        proc = proc_cpu - self._tick_proc_cpu
-        if cpu is not None and self._tick_cpu is not None and cpu - self._tick_cpu >= 0.5 * late:
+    @staticmethod
+    def _diagnosis(loop_used: float | None, proc_used: float, late: float) -> str:
+        """Which row of the module's table a stall of `late` seconds fits, from the CPU seconds used meanwhile."""
+        if loop_used is not None and loop_used >= 0.5 * late:
             return "work on the loop held it"
-        if proc >= 0.5 * late:
+        if proc_used >= 0.5 * late:
             return "another thread of this process held the GIL"
         return ("the host did not run this process (other processes had the CPUs, e.g. engines busy-polling on the same "
                 "cores: give them their own with --engine-cpus), or a system call blocked")
-
-    def _cpu_used(self, cpu: float | None, proc_cpu: float) -> str:
-        """CPU time since the last tick, of the loop's thread and of the whole process (see the module's table)."""
-        loop = "unknown" if cpu is None or self._tick_cpu is None else f"{cpu - self._tick_cpu:.2f} s"
-        return f"CPU time meanwhile: loop thread {loop}, whole process {proc_cpu - self._tick_proc_cpu:.2f} s"

@@ -18,7 +18,7 @@ import httpx
 from workers.backend import Backend
 from workers.types import EngineLaunchConfig
 
-__all__ = ["EngineProcess", "EngineStartError"]
+__all__ = ["EngineProcess", "EngineStartError", "cpus_but_first", "usable_cpus"]
 
 
 def _die_with_parent() -> None:
@@ -40,6 +40,13 @@ def usable_cpus(cpus: frozenset[int]) -> frozenset[int]:
     if not usable:
         raise EngineStartError(f"none of the engine CPUs {sorted(cpus)} is available here (this process may use {sorted(allowed)})")
     return usable
+
+
+def cpus_but_first() -> str | None:
+    """This process's CPUs but the lowest, as a Linux CPU list: what engines get when the first CPU stays the
+    frontend's. None with a single CPU."""
+    rest = sorted(os.sched_getaffinity(0))[1:]
+    return ",".join(map(str, rest)) if rest else None
 
 
 class EngineStartError(RuntimeError):

@@ -23,7 +23,6 @@ computes for the same prompt (the transferred KV is the right KV).
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import signal
@@ -40,6 +39,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import build_tiny_model, free_port, vllm_python_or_fail
+from workers.process import cpus_but_first
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
 
@@ -117,8 +117,8 @@ def _start(connector: str, python: str, tiny: Path, redis_url: str, tmp: Path) -
         # 2-vCPU host the frontend went unscheduled for 5-30 s at a time (its loop watch: stalls with ~0 CPU used;
         # connects to the engines timed out and the local leases lapsed: CI, 2026-12-05). Pinned: no stall, ~3.4 s
         # per request, measured on the same host.
-        cpus = sorted(os.sched_getaffinity(0))
-        pin = ["--engine-cpus", ",".join(map(str, cpus[1:]))] if len(cpus) > 1 else []
+        rest = cpus_but_first()
+        pin = ["--engine-cpus", rest] if rest else []
         spawn("up", ["up", "--config", str(tmp / "engine.yaml"), *pin, "--backend", "vllm", "--model", str(tiny), "--served-model-name", MODEL, "--prefill-workers", "1",
                      "--decode-workers", "1", "--flavor", "vllm", "--port", str(fport), "--grpc-port", "0",
                      "--base-port", str(base), "--block-size", str(BLOCK), "--max-model-len", "512", *disagg])
