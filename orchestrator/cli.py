@@ -18,6 +18,7 @@ import signal
 import sys
 
 import uvicorn
+from pydantic import ValidationError
 
 from orchestrator.config import ClusterConfig, FrontendConfig, load_yaml
 from orchestrator.keys_cmd import add_keys_parser, run_keys_command
@@ -349,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         return _event_loop_runner()(runner(ns))
     except KeyboardInterrupt:
         return 130
+    except ValidationError as exc:  # a bad --config value or flag: what and where, not a traceback
+        raise SystemExit(f"kvyard: bad configuration: {exc}") from None
 
 
 if __name__ == "__main__":
