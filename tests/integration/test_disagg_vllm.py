@@ -114,9 +114,9 @@ def _start(connector: str, python: str, tiny: Path, redis_url: str, tmp: Path) -
         (tmp / "engine.yaml").write_text('engine_args: ["--dtype", "float32"]\n')
         # Both engines on the CPUs but the first, which stays the frontend's and this test's: vLLM's NixlConnector runs
         # NIXL's UCX progress thread busy-polling (one core per engine, by design), and with both engines loose on a
-        # 2-vCPU host the frontend went unscheduled for 5-30 s at a time (its loop watch: stalls with ~0 CPU used;
-        # connects to the engines timed out and the local leases lapsed: CI, 2026-12-05). Pinned: no stall, ~3.4 s
-        # per request, measured on the same host.
+        # 2-vCPU host the frontend went unscheduled for seconds at a time (its loop watch: stalls with ~0 CPU used;
+        # connects to the engines timed out and the local leases lapsed: CI, 2026-12-05). Pinned: no stall, 0.26 s
+        # median per request, measured on the same host (benchmarks/pd_vllm_pinning.py).
         rest = cpus_but_first()
         pin = ["--engine-cpus", rest] if rest else []
         spawn("up", ["up", "--config", str(tmp / "engine.yaml"), *pin, "--backend", "vllm", "--model", str(tiny), "--served-model-name", MODEL, "--prefill-workers", "1",
