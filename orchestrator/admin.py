@@ -15,8 +15,8 @@ OpenAI-style JSON via orchestrator.errors.error_response.
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
@@ -29,6 +29,7 @@ from orchestrator.errors import (
     ServiceUnavailableError,
     error_response,
 )
+from orchestrator.json_input import load_json
 from orchestrator.security.guards import AdminGuard
 from workers.telemetry.store import TelemetryStore, TelemetryUnavailableError
 from workers.telemetry.targets import (
@@ -52,8 +53,9 @@ def _limit(request: Request, default: int) -> int:
 
 
 def make_admin_router(targets: TargetsStore, admin: AdminGuard | str | None, telemetry: TelemetryStore | None = None,
-                      prefix: str = "/admin") -> APIRouter:
-    """`admin`: the app's AdminGuard, or a token (None: disabled) for a router used on its own."""
+                      prefix: str = "/admin", on_error: Callable[[Request, int], None] | None = None) -> APIRouter:
+    """`admin`: the app's AdminGuard, or a token (None: disabled) for a router used on its own.
+    `on_error(request, status)`: told of every error answer (the app counts them in its request metrics)."""
     router = APIRouter(prefix=prefix)
     guard = admin if isinstance(admin, AdminGuard) else AdminGuard(admin)
 
@@ -62,9 +64,14 @@ def make_admin_router(targets: TargetsStore, admin: AdminGuard | str | None, tel
             actor = guard.check(request.headers, request.client.host if request.client else None, write=request.method != "GET")
             return await fn(actor)
         except KvyardError as exc:
-            return error_response(exc)
+            return failed(request, exc)
         except (TargetsUnavailableError, TelemetryUnavailableError) as exc:
-            return error_response(ServiceUnavailableError(f"the state store is unreachable: {exc}", code="store_unavailable", retry_after=1))
+            return failed(request, ServiceUnavailableError(f"the state store is unreachable: {exc}", code="store_unavailable", retry_after=1))
+
+    def failed(request: Request, exc: KvyardError) -> Response:
+        if on_error is not None:
+            on_error(request, exc.status)
+        return error_response(exc)
 
     @router.get("/targets")
     async def get_targets(request: Request) -> Response:
@@ -78,11 +85,7 @@ def make_admin_router(targets: TargetsStore, admin: AdminGuard | str | None, tel
     @router.put("/targets")
     async def put_targets(request: Request) -> Response:
         async def run(actor: str) -> Response:
-            raw = await request.body()
-            try:
-                data = json.loads(raw or b"null")
-            except ValueError as exc:
-                raise BadRequestError(f"body is not valid JSON: {exc}") from exc
+            data = load_json(await request.body() or b"null", "body")
             try:
                 new = parse_targets(data)
             except TargetsValidationError as exc:

@@ -122,12 +122,18 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
                 await loopwatch.close()
 
     app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan)
+
+    def count(request: Request, status: int) -> None:
+        """Every error answer is counted, by route template (never the raw path: unbounded label values)."""
+        route = request.scope.get("route")
+        metrics.requests.labels("", getattr(route, "path", None) or "unmatched", str(status)).inc()
+
     app.state.cfg, app.state.pool, app.state.router, app.state.metrics = cfg, pool, router, metrics
     app.state.loopwatch = loopwatch
     app.state.service = service  # the request path (tests reach the disagg coordinator's books through it)
     app.state.telemetry_store, app.state.targets = telemetry_store, targets
     app.state.guard, app.state.admin, app.state.tls = guard, admin, tls
-    app.include_router(make_admin_router(targets, admin, telemetry_store))
+    app.include_router(make_admin_router(targets, admin, telemetry_store, on_error=count))
     app.include_router(make_dashboard_router(admin))  # GET /api/pools: an admin read
 
     def admin_read(request: Request) -> str:  # a FastAPI dependency: 401/403 unless the admin may read
@@ -139,9 +145,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
         if admin.token is None:
             admin_read(request)  # 403 unless a loopback read is allowed
 
-    def model_context(model: str) -> int | None:
-        info = pool.info_for(model)
-        return info.max_model_len if info else None
+    model_context = pool.context_len  # the smallest context among the model's workers
 
     async def inference(request: Request, kind: str) -> Response:
         request, grant = await authorize_inference(guard, request, kind, cfg.max_body_bytes, model_context)
@@ -154,20 +158,29 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
 
     @app.exception_handler(KvyardError)
     async def _kvyard_error(request: Request, exc: KvyardError) -> Response:
-        metrics.requests.labels("", request.url.path, str(exc.status)).inc()
+        count(request, exc.status)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        count(request, 400)
         return error_response(BadRequestError(str(exc.errors()[:1])))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        count(request, exc.status_code)
         if exc.status_code == 404:
             return error_response(ModelNotFoundError(f"no route {request.method} {request.url.path}", code="not_found"))
         err = KvyardError(str(exc.detail))
         err.status, err.type, err.code = exc.status_code, "invalid_request_error", None
         return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        # a bug, not the client's fault: still an OpenAI error body (never Starlette's plain-text 500), counted and logged
+        count(request, 500)
+        log.error("internal error on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc, exc_info=exc)
+        return error_response(KvyardError(f"internal error ({type(exc).__name__}); the request id is in the logs"))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -185,7 +198,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
             info = pool.info_for(name)
             data.append({"id": name, "object": "model", "created": int(info.started_at if info else time.time()),
                          "owned_by": "kvyard", "root": name, "parent": None,
-                         "max_model_len": info.max_model_len if info else None})
+                         "max_model_len": pool.context_len(name)})
         return JSONResponse({"object": "list", "data": data})
 
     @app.get("/live")

@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, Field, field_validator
 
+from orchestrator.request_fields import RequestFieldsConfig
 from workers.types import parse_cpu_list
 
 __all__ = ["FrontendConfig", "ClusterConfig", "DisaggConfig", "load_yaml"]
@@ -108,6 +109,9 @@ class FrontendConfig(BaseModel):
     telemetry: bool = True  # per-pool telemetry for the planner (Redis when redis_url is set, else in memory)
     telemetry_interval_s: float = Field(1.0, gt=0)
     disagg: DisaggConfig = Field(default_factory=DisaggConfig)
+    # what of a client's request reaches the engine (orchestrator/request_fields.py): the allowlist's additions and
+    # what happens to a field on neither list; engine-internal fields (P/D hand-off, request identity) are always removed
+    request_fields: RequestFieldsConfig = Field(default_factory=RequestFieldsConfig)
 
 
 class ClusterConfig(BaseModel):

@@ -33,6 +33,8 @@ class FrontendMetrics:
             "(minus kvyard_router_overlap_blocks: the cache affinity given up to balance load)", ["model"], registry=r)
         self.prompt_blocks = Counter("kvyard_router_prompt_blocks", "Full prompt blocks routed", ["model"], registry=r)
         self.retries = Counter("kvyard_engine_retries", "Requests re-sent to another engine before streaming", ["model"], registry=r)
+        self.fields_removed = Counter("kvyard_request_fields_removed", "Top-level fields removed from client requests before "
+                                      "the engine saw them (engine_internal | unknown)", ["reason"], registry=r)
         self.workers = Gauge("kvyard_workers", "Live workers by model and state", ["model", "state"], registry=r)
         # security (orchestrator/security): refused credentials and rate-limited keys
         self.auth_failures = Counter("kvyard_auth_failures", "Requests refused for their credentials, by surface "

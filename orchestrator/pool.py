@@ -184,8 +184,15 @@ class WorkerPool:
         return self.tokenizer_dirs.get(model)
 
     def info_for(self, model: str) -> WorkerInfo | None:
-        """Any worker's registration for the model (tokenizer path, context length)."""
+        """Any worker's registration for the model (its backend, P/D protocol, start time); the context
+        length is `context_len`'s."""
         for w in self.workers.values():
             if w.info.model == model:
                 return w.info
         return None
+
+    def context_len(self, model: str) -> int | None:
+        """The model's context length: the smallest max_model_len among its workers (every role), so a
+        request checked against it fits whichever worker serves it. None if no worker is known."""
+        lens = [w.info.max_model_len for w in self.workers.values() if w.info.model == model]
+        return min(lens) if lens else None

@@ -5,12 +5,12 @@ Validation failures become 400 invalid_request_error naming the field (never Fas
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from orchestrator.errors import BadRequestError
+from orchestrator.json_input import load_json
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions", "parse_request"]
 
@@ -74,10 +74,7 @@ class ChatCompletionRequest(_Base):
 
 def parse_request(raw: bytes, kind: type[_Base]) -> tuple[_Base, dict[str, Any]]:
     """Bytes -> (validated model, the original JSON dict to forward). Raises BadRequestError."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequestError(f"request body is not valid JSON: {exc}") from exc
+    body = load_json(raw, "request body")
     if not isinstance(body, dict):
         raise BadRequestError("request body must be a JSON object")
     try:

@@ -35,8 +35,6 @@ from orchestrator.config import FrontendConfig
 from orchestrator.disagg.coordinator import protocol_of
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
 from orchestrator.errors import (
-    BadRequestError,
-    ContextLengthError,
     KvyardError,
     ModelNotFoundError,
     ServiceUnavailableError,
@@ -44,7 +42,9 @@ from orchestrator.errors import (
 from orchestrator.metrics import FrontendMetrics
 from orchestrator.security.http import read_body
 from orchestrator.pool import WorkerPool
+from orchestrator.prepare import PromptPreparer
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from orchestrator.request_fields import RequestFields
 from orchestrator.resilience.admission import AdmissionController, Ticket, worker_saturated
 from orchestrator.resilience.breaker import BreakerBoard, BreakerState, backoff_s
 from orchestrator.resilience.migration import (
@@ -58,9 +58,7 @@ from orchestrator.resilience.migration import (
 )
 from orchestrator.telemetry_recorder import FrontendTelemetry
 from orchestrator.streaming import StreamStats, relay_sse, sse_error_event
-from orchestrator.tokenizer import load_tokenizer
 from router import Endpoint, NoEndpointsError, RouteRequest, Router
-from workers.types import WorkerInfo
 
 __all__ = ["InferenceService", "Dispatched"]
 
@@ -128,6 +126,8 @@ class InferenceService:
             on_reject=lambda model, reason: metrics.admission_rejected.labels(model, reason).inc(),
             on_queue=lambda model, depth: metrics.admission_queue.labels(model).set(depth))
         self._probing = False
+        self.prep = PromptPreparer(pool, cfg.max_tokens_cap)
+        self.fields = RequestFields(cfg.request_fields, on_removed=lambda reason: metrics.fields_removed.labels(reason).inc())
         # disaggregated prefill/decode (orchestrator/disagg): set by the app; None serves every model aggregated
         self.disagg = None
 
@@ -135,6 +135,7 @@ class InferenceService:
         await self.breakers.close()
         await self.admission.close()
         await self.client.close()
+        self.prep.close()
 
     # ---- worker health -----------------------------------------------------------------------
 
@@ -171,54 +172,6 @@ class InferenceService:
     async def _read_body(self, request: Request) -> bytes:
         return await read_body(request, self.cfg.max_body_bytes)  # 413 past the limit, as the auth layer reads it
 
-    def _tokenizer(self, model: str):
-        folder = self.pool.tokenizer_dir(model)
-        return load_tokenizer(folder) if folder is not None else None
-
-    def _prompt_ids(self, req, info: WorkerInfo) -> list[int]:
-        tok = self._tokenizer(info.model)
-        if tok is None:  # no tokenizer reachable yet: route without token ids; the engine checks lengths
-            return []
-        if isinstance(req, ChatCompletionRequest):
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            return tok.encode_chat(msgs)
-        prompt = req.prompt
-        if isinstance(prompt, str):
-            return tok.encode(prompt)
-        if isinstance(prompt[0], int):
-            return list(prompt)
-        if isinstance(prompt[0], list):
-            return max(prompt, key=len)
-        return max((tok.encode(p) for p in prompt), key=len)
-
-    def _check_lengths(self, req, ids: list[int], info: WorkerInfo) -> None:
-        ctx = info.max_model_len
-        if len(ids) > ctx:
-            raise ContextLengthError(
-                f"This model's maximum context length is {ctx} tokens. However, your prompt has {len(ids)} tokens. "
-                "Please reduce the length of the prompt.",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-            )
-        want = req.requested_max_tokens()
-        cap = self.cfg.max_tokens_cap
-        if want is not None and cap and want > cap:
-            field_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-            raise BadRequestError(f"{field_name}={want} is over this server's limit of {cap} tokens", param=field_name)
-        if want is not None and want + len(ids) > ctx:
-            raise ContextLengthError(
-                f"max_tokens={want} is too large: with {len(ids)} prompt tokens the total exceeds the model's "
-                f"maximum context length of {ctx} tokens.",
-                param="max_tokens",
-            )
-
-    def _fill_max_tokens(self, req, body: dict, ids: list[int], info: WorkerInfo) -> tuple[dict, int | None]:
-        """(body, max_tokens): with max_tokens_cap set and no max_tokens asked, the cap (within the context) is filled in."""
-        want = req.requested_max_tokens()
-        if want is not None or not self.cfg.max_tokens_cap:
-            return body, want
-        fill = min(self.cfg.max_tokens_cap, info.max_model_len - len(ids)) if ids else self.cfg.max_tokens_cap
-        return ({**body, "max_tokens": fill}, fill) if fill > 0 else (body, None)
-
     # ---- the request path --------------------------------------------------------------------
 
     async def dispatch(self, raw: bytes, kind: str, request_id: str | None = None, key_id: str | None = None) -> Dispatched:
@@ -232,6 +185,7 @@ class InferenceService:
         self._start_probes()
         path, model_cls = _KINDS[kind]
         req, body = parse_request(raw, model_cls)
+        body = self.fields.filter(kind, body)  # engine-internal fields never come from a client (request_fields.py)
         info = self.pool.info_for(req.model)
         if info is None:
             if not self.pool.workers or not self.pool.discovery_ok:
@@ -240,9 +194,10 @@ class InferenceService:
                 # on its way: retryable 503, not a 404 that tells the client the model does not exist
                 raise ServiceUnavailableError(f"no worker of `{req.model}` is known yet; retry shortly", retry_after=self.cfg.retry_after_s)
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
-        ids = self._prompt_ids(req, info)
-        self._check_lengths(req, ids, info)
-        body, max_tokens = self._fill_max_tokens(req, body, ids, info)
+        ctx = self.pool.context_len(req.model) or info.max_model_len
+        ids = await self.prep.prompt_ids(req, req.model, ctx)  # long prompts off the loop (prepare.py)
+        self.prep.check_lengths(req, ids, ctx)
+        body, max_tokens = self.prep.fill_max_tokens(req, body, ids, ctx)
         ticket = await self.admission.admit(req.model, key_id)
         if ticket.queued_s:
             self.metrics.admission_wait.labels(req.model).observe(ticket.queued_s)
@@ -465,7 +420,7 @@ class InferenceService:
             self._finish(rreq, t0, status, ttft_s=ttft, osl=osl, ticket=d.ticket)
 
     def _encoder(self, model: str):
-        tok = self._tokenizer(model)
+        tok = self.prep.tokenizer(model)
         return (lambda text: tok.encode(text, add_special_tokens=False)) if tok is not None else None
 
     async def _resend(self, d: Dispatched) -> None:

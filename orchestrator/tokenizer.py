@@ -2,6 +2,13 @@
 
 Loads a Hugging Face `tokenizer.json` (Rust `tokenizers`) and the folder's chat template through
 `workers.chat_template` (the sim engine loads it the same way, so token ids, and block hashes, agree).
+
+Long prompts: `Tokenizer.encode` holds the GIL for the whole call (a 1M-character prompt: ~0.5 s of
+a stalled event loop, even from a thread), `encode_batch` releases it; `count_or_ids` uses the
+latter, off the loop (orchestrator/prepare.py), and builds the Python list of ids only for a prompt
+that fits the context. `max_chars_per_token` bounds how many characters one token can cover (the
+longest vocabulary entry; x4 under a Unicode normalizer, which can fold several characters into
+one), so `chars > context x max_chars_per_token` proves a prompt too long without tokenizing it.
 """
 
 from __future__ import annotations
@@ -23,9 +30,17 @@ class PromptTokenizer:
         folder = Path(folder)
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self._template = ChatTemplate(folder, fallback=_DEFAULT_TEMPLATE)
+        longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self.max_chars_per_token = max(1, longest) * (4 if self._tok.normalizer is not None else 1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def count_or_ids(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
+        """(token count, ids): the ids only when the count is at most `limit`. Releases the GIL while it tokenizes."""
+        enc = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        n = len(enc)
+        return n, (enc.ids if n <= limit else None)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self._template.render(messages, add_generation_prompt)

@@ -17,12 +17,12 @@ Everything here raises BadRequestError (-> INVALID_ARGUMENT) naming the tensor o
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Callable
 from typing import Any
 
 from orchestrator.errors import BadRequestError
+from orchestrator.json_input import load_json
 from orchestrator.grpc.generated import pb
 
 __all__ = ["completion_body", "decode_bytes_tensor", "encode_bytes_tensor", "text_response", "set_param", "params_dict",
@@ -178,9 +178,10 @@ def completion_body(req: pb.ModelInferRequest) -> tuple[dict[str, Any], bool, bo
     sampling: dict[str, Any] = {}
     if "sampling_parameters" in found:
         try:
-            js = json.loads(found.pop("sampling_parameters") or b"{}")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequestError(f"input tensor 'sampling_parameters' is not valid JSON: {exc}", param="sampling_parameters") from exc
+            js = load_json(found.pop("sampling_parameters") or b"{}", "input tensor 'sampling_parameters'")
+        except BadRequestError as exc:
+            exc.param = "sampling_parameters"
+            raise
         if not isinstance(js, dict):
             raise BadRequestError("input tensor 'sampling_parameters' must be a JSON object", param="sampling_parameters")
         sampling.update({k: _sampling(k, v, "sampling parameter") for k, v in js.items()})

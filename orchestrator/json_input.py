@@ -1,0 +1,71 @@
+"""Reading JSON a client sent: every way it can be bad becomes a BadRequestError (400), never a 500.
+
+    value = load_json(raw, "request body")
+
+    not JSON, not UTF-8         -> 400 "... is not valid JSON: ..."
+    nested deeper than 64       -> 400 "... is nested too deeply" (Python's own parser gives up near
+                                   1000 levels with a RecursionError; everything downstream that
+                                   walks the value, json.dumps of the engine payload included, needs
+                                   a bound well below that)
+    a lone UTF-16 surrogate     -> 400 "... contains invalid Unicode" ("\\ud800" is valid JSON but
+                                   no valid text: tokenizers, UTF-8 encoders and engines fail on it)
+
+Used by every door that takes JSON: the OpenAI routes (orchestrator/protocol.py), the admin writes
+(orchestrator/admin.py) and gRPC's sampling_parameters (orchestrator/grpc/llm.py). The checks past
+the parse cost nothing on ordinary bodies: the depth walk runs only when the body holds more than
+MAX_JSON_DEPTH brackets, the Unicode check only when it holds a surrogate escape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from orchestrator.errors import BadRequestError
+
+__all__ = ["MAX_JSON_DEPTH", "load_json", "json_depth_over", "check_text"]
+
+MAX_JSON_DEPTH = 64  # OpenAI bodies nest 5-6 levels; a JSON schema for structured output rarely passes 20
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_depth_over(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when containers nest deeper than `limit` (iterative: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = v.values() if isinstance(v, dict) else v
+        for c in children:
+            if isinstance(c, (dict, list)):
+                stack.append((c, depth + 1))
+    return False
+
+
+def check_text(text: str, what: str, param: str | None = None) -> None:
+    """400 unless `text` is valid Unicode (no lone surrogate: it could not be sent on as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequestError(f"{what} contains invalid Unicode (a lone surrogate at position {exc.start})", param=param) from None
+
+
+def load_json(raw: bytes | str, what: str = "request body") -> Any:
+    """Parse client JSON or raise BadRequestError (see the module header)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise BadRequestError(f"{what} is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise BadRequestError(f"{what} is not valid JSON: {exc}") from None
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if isinstance(value, (dict, list)) and data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and json_depth_over(value):
+        raise BadRequestError(f"{what} is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)")
+    if _SURROGATE_ESCAPE.search(data) or (isinstance(raw, str) and not raw.isascii()):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequestError(f"{what} contains invalid Unicode (a lone UTF-16 surrogate escape such as \\ud800)") from None
+    return value

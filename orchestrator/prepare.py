@@ -1,0 +1,110 @@
+"""A validated request's prompt tokens and limits, without stalling the event loop.
+
+    ids = await prep.prompt_ids(req, model, ctx)       # 400 context_length_exceeded when it cannot fit
+    prep.check_lengths(req, ids, ctx)                   # max_tokens against the context and the cap
+    body, max_tokens = prep.fill_max_tokens(req, body, ids, ctx)
+
+`ctx` is the model's context length: the smallest max_model_len its workers registered
+(WorkerPool.context_len), so a prompt accepted here fits whichever worker the router picks.
+
+Bounded work on the loop (issue: a ~8 MB prompt tokenized on the loop froze every other request
+for 12.6 s):
+  1. cheap bound first: a prompt of more characters than ctx x the tokenizer's max_chars_per_token
+     (orchestrator/tokenizer.py) cannot fit, and is refused without tokenizing it;
+  2. a prompt (all its texts, or its chat messages) over INLINE_CHARS is templated and tokenized on
+     a small thread pool, with the tokenizer's GIL-free encode_batch; the list of ids is built only
+     for a prompt that fits. Short prompts (the common case) stay on the loop: a thread hop would
+     cost more than they do.
+Measured (benchmarks/results/hostile_prompt.json): the longest loop stall an 8 MB prompt causes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from orchestrator.errors import BadRequestError, ContextLengthError
+from orchestrator.pool import WorkerPool
+from orchestrator.protocol import ChatCompletionRequest
+from orchestrator.tokenizer import PromptTokenizer, load_tokenizer
+
+__all__ = ["PromptPreparer", "INLINE_CHARS"]
+
+INLINE_CHARS = 16384  # up to here a prompt is tokenized on the loop (well under a millisecond)
+
+
+def _too_long(ctx: int, n: int | None, chars: int | None, param: str) -> ContextLengthError:
+    size = f"your prompt has {n} tokens" if n is not None else f"your prompt of {chars} characters cannot fit in it"
+    return ContextLengthError(f"This model's maximum context length is {ctx} tokens. However, {size}. "
+                              "Please reduce the length of the prompt.", param=param)
+
+
+class PromptPreparer:
+    def __init__(self, pool: WorkerPool, max_tokens_cap: int = 0, workers: int = 2) -> None:
+        self.pool = pool
+        self.max_tokens_cap = max_tokens_cap
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvyard-prep")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def tokenizer(self, model: str) -> PromptTokenizer | None:
+        folder = self.pool.tokenizer_dir(model)
+        return load_tokenizer(folder) if folder is not None else None
+
+    async def prompt_ids(self, req, model: str, ctx: int) -> list[int]:
+        """The prompt's token ids (the longest prompt's, for a batch); [] without a tokenizer (the engine checks)."""
+        chat = isinstance(req, ChatCompletionRequest)
+        param = "messages" if chat else "prompt"
+        prompt = None if chat else req.prompt
+        if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+            ids = list(prompt) if isinstance(prompt[0], int) else max(prompt, key=len)
+            if len(ids) > ctx:
+                raise _too_long(ctx, len(ids), None, param)
+            return ids
+        tok = self.tokenizer(model)
+        if tok is None:  # no tokenizer reachable yet: route without token ids; the engine checks lengths
+            return []
+        if chat:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            chars = sum(len(m["content"]) for m in msgs)
+            texts = None
+        else:
+            texts = [prompt] if isinstance(prompt, str) else prompt
+            chars = max(len(t) for t in texts)
+        if chars > ctx * tok.max_chars_per_token:
+            raise _too_long(ctx, None, chars, param)
+
+        def tokenize() -> tuple[int, list[int] | None]:
+            if texts is None:  # the template carries any special tokens, as vLLM does for chat
+                return tok.count_or_ids(tok.render_chat(msgs), ctx, add_special_tokens=False)
+            return max((tok.count_or_ids(t, ctx) for t in texts), key=lambda r: r[0])
+
+        if chars > INLINE_CHARS:
+            n, ids = await asyncio.get_running_loop().run_in_executor(self._executor, tokenize)
+        else:
+            n, ids = tokenize()
+        if ids is None:
+            raise _too_long(ctx, n, None, param)
+        return ids
+
+    def check_lengths(self, req, ids: list[int], ctx: int) -> None:
+        want = req.requested_max_tokens()
+        cap = self.max_tokens_cap
+        if want is not None and cap and want > cap:
+            field_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+            raise BadRequestError(f"{field_name}={want} is over this server's limit of {cap} tokens", param=field_name)
+        if want is not None and want + len(ids) > ctx:
+            raise ContextLengthError(
+                f"max_tokens={want} is too large: with {len(ids)} prompt tokens the total exceeds the model's "
+                f"maximum context length of {ctx} tokens.",
+                param="max_tokens",
+            )
+
+    def fill_max_tokens(self, req, body: dict, ids: list[int], ctx: int) -> tuple[dict, int | None]:
+        """(body, max_tokens): with max_tokens_cap set and no max_tokens asked, the cap (within the context) is filled in."""
+        want = req.requested_max_tokens()
+        if want is not None or not self.max_tokens_cap:
+            return body, want
+        fill = min(self.max_tokens_cap, ctx - len(ids)) if ids else self.max_tokens_cap
+        return ({**body, "max_tokens": fill}, fill) if fill > 0 else (body, None)
