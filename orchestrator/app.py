@@ -47,7 +47,7 @@ log = logging.getLogger("kvyard.frontend")
 
 def make_discovery(cfg: FrontendConfig) -> Discovery:
     if cfg.redis_url:
-        return RedisDiscovery(cfg.redis_url, prefix=cfg.discovery_prefix)
+        return RedisDiscovery(cfg.redis_url, prefix=cfg.discovery_prefix, secret=cfg.registry_secret)
     return InMemoryDiscovery()
 
 
@@ -81,7 +81,8 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
                "pending_ttl_s": cfg.kv_pending_ttl_s, "temperature": cfg.router_temperature} if cfg.policy == "kv" else {})
     router = Router(build_policy(cfg.policy, **params), LoadTracker(drain=cfg.kv_prefill_drain))
     ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
-    pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor)
+    pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor,
+                      scrape_timeout_s=cfg.scrape_timeout_s, liveness_failures=cfg.liveness_failures)
     service = InferenceService(cfg, pool, router, metrics)
     # disaggregated prefill/decode for models with prefill or decode workers (orchestrator/disagg)
     prefill_reuse = cfg.kv_reuse_weight if cfg.disagg.prefill_reuse_weight is None else cfg.disagg.prefill_reuse_weight

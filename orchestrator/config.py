@@ -69,10 +69,16 @@ class FrontendConfig(BaseModel):
     # 319 ms, hits 97.7% vs 95.0% of the fleet bound (medians; p90 lower in 2 rounds, equal in the third).
     kv_prefill_drain: bool = True
     router_temperature: float = Field(0.0, ge=0)  # kv: 0 = argmin of the cost, > 0 = softmax sampling
-    redis_url: str | None = None  # None -> in-memory discovery (embedded default)
+    redis_url: str | None = Field(None, repr=False)  # None -> in-memory discovery (embedded default); may carry a password
+    # shared secret of the cluster's registry (workers/signing.py): entries must be signed with it; None: unsigned accepted
+    registry_secret: str | None = Field(None, repr=False, min_length=16)
     discovery_prefix: str = "kvyard"
     refresh_interval_s: float = Field(1.0, gt=0)  # how often the worker list is re-read
     scrape_interval_s: float = Field(1.0, gt=0)  # how often engine /metrics are scraped
+    scrape_timeout_s: float = Field(2.0, gt=0)  # longest wait for one scrape
+    # an engine whose scrapes fail this many times in a row is hung (or dead): its breaker opens and its requests in flight
+    # are failed over to other workers (orchestrator/pool.py); 0: scrapes never judge liveness
+    liveness_failures: int = Field(2, ge=0)
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
     connect_timeout_s: float = Field(5.0, gt=0)
     first_byte_timeout_s: float = Field(300.0, gt=0)  # time for the engine to answer headers (queueing)

@@ -49,6 +49,11 @@ class EngineResponse:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise EngineStreamError(f"{type(exc).__name__}: {exc}") from exc
 
+    def abort(self) -> None:
+        """Drop the connection now (the engine stopped answering): a pending read raises EngineStreamError."""
+        if not self._resp.closed:
+            self._resp.close()
+
     async def aclose(self) -> None:
         """Close; if the body was not fully read the connection is dropped, which aborts the engine request."""
         if self._resp.content.at_eof():

@@ -59,3 +59,13 @@ class FrontendMetrics:
         self.loop_stalls = Counter("kvyard_event_loop_stalls", "Times the frontend's event loop ran later than loop_stall_s", registry=r)
         self.disagg_prefill = Histogram("kvyard_disagg_prefill_seconds", "Remote prefill: request sent to hand-off received",
                                         ["model"], buckets=_LAT, registry=r)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Remove every series labelled with this worker (called when it leaves the pool), so a fleet that churns
+        does not grow /metrics without bound."""
+        for metric in (self.routed, self.breaker_state, self.breaker_transitions):
+            names = metric._labelnames
+            stale = {tuple(s.labels[n] for n in names) for fam in metric.collect() for s in fam.samples
+                     if s.labels.get("worker") == worker_id}
+            for values in stale:
+                metric.remove(*values)

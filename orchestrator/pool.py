@@ -4,8 +4,13 @@ Two loops (observe only; the router decides):
   refresh: every refresh_interval_s, list workers from discovery; new ones join (scraped once first),
            vanished ones (lease lapsed or deregistered) leave routing and the router forgets their load.
            If discovery is unreachable the last known view is kept.
-  scrape:  every scrape_interval_s, GET each engine's metrics endpoint and keep the normalised
-           snapshot (waiting queue, KV usage) for the load scorers.
+  scrape:  every scrape_interval_s, GET each engine's metrics endpoint (at most scrape_timeout_s) and
+           keep the normalised snapshot (waiting queue, KV usage) for the load scorers. Each worker's
+           scrape runs on its own, so one engine that never answers delays no other's. After
+           `liveness_failures` failed scrapes in a row the `on_worker_unresponsive` hooks run (the
+           service opens the worker's breaker and fails over its requests in flight): an engine that
+           accepts connections and never answers, or a SIGSTOPped one, is out of routing within
+           about liveness_failures x (scrape_interval_s + scrape_timeout_s) seconds.
 """
 
 from __future__ import annotations
@@ -40,13 +45,15 @@ log = logging.getLogger("kvyard.pool")
 class LiveWorker:
     info: WorkerInfo
     metrics: EngineMetrics | None = None
-    scrape_errors: int = 0
+    scrape_errors: int = 0  # failed scrapes in a row
     extra: dict = field(default_factory=dict)
+    scrape_task: asyncio.Task | None = None
 
 
 class WorkerPool:
     def __init__(self, discovery: Discovery, router: Router, refresh_interval_s: float = 1.0, scrape_interval_s: float = 1.0,
-                 cache_dir: str | Path | None = None, ingestor: KvEventIngestor | None = None) -> None:
+                 cache_dir: str | Path | None = None, ingestor: KvEventIngestor | None = None, *,
+                 scrape_timeout_s: float = 2.0, liveness_failures: int = 2) -> None:
         self.discovery = discovery
         self.router = router
         self.refresh_interval_s = refresh_interval_s
@@ -58,19 +65,22 @@ class WorkerPool:
         self.tokenizer_dirs: dict[str, str] = {}  # model -> local folder with tokenizer.json
         self.cache_dir = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "kvyard-tokenizers"
         self._tasks: list[asyncio.Task] = []
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(scrape_timeout_s))
+        self.liveness_failures = liveness_failures  # failed scrapes in a row that make a worker unresponsive; 0: never
         self.on_worker_left: list[Callable[[str], None]] = []  # called with the worker id after the router forgot it
         self.on_worker_joined: list[Callable[[LiveWorker], None]] = []  # called once it is routable, after its first scrape
+        self.on_worker_unresponsive: list[Callable[[str, str], None]] = []  # (worker id, why) after liveness_failures scrapes
 
     async def start(self) -> None:
         await self.refresh()
         self._tasks = [asyncio.create_task(self._loop(self.refresh, self.refresh_interval_s)),
-                       asyncio.create_task(self._loop(self.scrape, self.scrape_interval_s))]
+                       asyncio.create_task(self._loop(self._start_scrapes, self.scrape_interval_s))]
 
     async def close(self) -> None:
-        for t in self._tasks:
+        scrapes = [w.scrape_task for w in self.workers.values() if w.scrape_task is not None]
+        for t in self._tasks + scrapes:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *scrapes, return_exceptions=True)
         await self._client.aclose()
         if self.ingestor is not None:
             await self.ingestor.close()
@@ -79,7 +89,9 @@ class WorkerPool:
         while True:
             await asyncio.sleep(interval)
             try:
-                await fn()
+                out = fn()
+                if asyncio.iscoroutine(out):
+                    await out
             except Exception:  # a loop must outlive any one bad round
                 log.exception("%s failed", fn.__name__)
 
@@ -95,7 +107,9 @@ class WorkerPool:
         seen = {i.worker_id for i in infos}
         for wid in [w for w in self.workers if w not in seen]:
             log.info("worker %s left", wid)
-            del self.workers[wid]
+            gone = self.workers.pop(wid)
+            if gone.scrape_task is not None:
+                gone.scrape_task.cancel()
             self.router.remove_worker(wid)
             for forget in self.on_worker_left:  # e.g. the disagg prefill router's own load book
                 forget(wid)
@@ -152,15 +166,32 @@ class WorkerPool:
     async def _scrape_one(self, live: LiveWorker) -> None:
         try:
             r = await self._client.get(live.info.url + "/metrics")
+            r.raise_for_status()
             live.metrics = get_backend(live.info.backend).parse_metrics(r.text)
             live.scrape_errors = 0
-        except (httpx.HTTPError, KeyError) as exc:
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
             live.scrape_errors += 1
-            if live.scrape_errors == 3:
-                log.warning("cannot scrape %s: %s", live.info.worker_id, exc)
+            wid = live.info.worker_id
+            if live.scrape_errors == self.liveness_failures and self.workers.get(wid) is live:
+                why = f"{live.scrape_errors} metric scrapes in a row failed (last: {type(exc).__name__}: {exc})"
+                log.warning("worker %s is not answering: %s", wid, why)
+                for hook in self.on_worker_unresponsive:
+                    hook(wid, why)
+            elif live.scrape_errors == 3:
+                log.warning("cannot scrape %s: %s", wid, exc)
+
+    def _start_scrapes(self) -> list[asyncio.Task]:
+        """Start a scrape of each worker whose previous one has finished; the scrapes in flight."""
+        for w in list(self.workers.values()):
+            if w.scrape_task is None or w.scrape_task.done():
+                w.scrape_task = asyncio.create_task(self._scrape_one(w))
+        return [w.scrape_task for w in self.workers.values() if w.scrape_task is not None and not w.scrape_task.done()]
 
     async def scrape(self) -> None:
-        await asyncio.gather(*(self._scrape_one(w) for w in list(self.workers.values())))
+        """One round, awaited: every worker's scrape (started now, or already in flight) has ended on return."""
+        tasks = self._start_scrapes()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def models(self) -> list[str]:
         return sorted({w.info.model for w in self.workers.values()})

@@ -21,11 +21,13 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import random
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -89,6 +91,7 @@ class Dispatched:
     deadline: float = 0.0  # perf_counter time the whole request must end by
     ticket: Ticket | None = None
     failed: set[str] = field(default_factory=set)  # workers that failed this request
+    relay_started: bool = False  # stream_events ran (it closes the books), or `abandon` did
 
 
 @dataclass(slots=True)
@@ -126,6 +129,11 @@ class InferenceService:
             on_reject=lambda model, reason: metrics.admission_rejected.labels(model, reason).inc(),
             on_queue=lambda model, depth: metrics.admission_queue.labels(model).set(depth))
         self._probing = False
+        # each worker's engine exchanges in flight (post tasks awaiting headers, responses being read), so a worker found
+        # hung can have them failed over at once (`_unresponsive`); weak: an exchange that ends simply drops out
+        self._inflight: dict[str, weakref.WeakSet] = collections.defaultdict(weakref.WeakSet)
+        pool.on_worker_unresponsive.append(self._unresponsive)
+        pool.on_worker_left.append(self._forget)
         self.prep = PromptPreparer(pool, cfg.max_tokens_cap)
         self.fields = RequestFields(cfg.request_fields, on_removed=lambda reason: metrics.fields_removed.labels(reason).inc())
         # disaggregated prefill/decode (orchestrator/disagg): set by the app; None serves every model aggregated
@@ -150,6 +158,25 @@ class InferenceService:
         if live is None:
             return False
         return await self.client.healthy(live.info.url + "/health", self.cfg.health_probe_timeout_s)
+
+    def _forget(self, worker_id: str) -> None:
+        """A worker left the pool: its per-worker series and books go with it."""
+        self._inflight.pop(worker_id, None)
+        self.breakers.prune(set(self.pool.workers))
+        self.metrics.forget_worker(worker_id)
+
+    def _unresponsive(self, worker_id: str, why: str) -> None:
+        """The pool found the worker hung: out of routing now, and what is in flight there goes elsewhere."""
+        self.breakers.trip(worker_id, why)
+        moved = 0
+        for io in list(self._inflight.pop(worker_id, ())):
+            if isinstance(io, asyncio.Future):
+                moved += io.cancel()
+            else:
+                io.abort()
+                moved += 1
+        if moved:
+            log.warning("worker %s is unresponsive: failing over its %d requests in flight", worker_id, moved)
 
     def _breaker_changed(self, worker_id: str, state: BreakerState) -> None:
         self.metrics.breaker_state.labels(worker_id).set(int(state))
@@ -195,10 +222,14 @@ class InferenceService:
                 raise ServiceUnavailableError(f"no worker of `{req.model}` is known yet; retry shortly", retry_after=self.cfg.retry_after_s)
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
         ctx = self.pool.context_len(req.model) or info.max_model_len
-        ids = await self.prep.prompt_ids(req, req.model, ctx)  # long prompts off the loop (prepare.py)
-        self.prep.check_lengths(req, ids, ctx)
-        body, max_tokens = self.prep.fill_max_tokens(req, body, ids, ctx)
-        ticket = await self.admission.admit(req.model, key_id)
+        try:
+            ids = await self.prep.prompt_ids(req, req.model, ctx)  # long prompts off the loop (prepare.py)
+            self.prep.check_lengths(req, ids, ctx)
+            body, max_tokens = self.prep.fill_max_tokens(req, body, ids, ctx)
+            ticket = await self.admission.admit(req.model, key_id)
+        except asyncio.CancelledError:  # the client left while its prompt was tokenized or it was queued
+            self.metrics.requests.labels(req.model, "generate", "cancelled").inc()
+            raise
         if ticket.queued_s:
             self.metrics.admission_wait.labels(req.model).observe(ticket.queued_s)
         try:
@@ -239,8 +270,8 @@ class InferenceService:
                 d.endpoint, d.resp = await disagg.send(self, rreq, send_body, payload, decision, path, req.stream)
             else:
                 d.endpoint, d.resp = await self._send(rreq, decision.ranked, path, payload, req.stream, d)
-        except BaseException:
-            self._finish(rreq, t0, "error", ticket=ticket)
+        except BaseException as exc:
+            self._finish(rreq, t0, "cancelled" if isinstance(exc, asyncio.CancelledError) else "error", ticket=ticket)
             raise
         self.metrics.routed.labels(req.model, d.endpoint.worker_id, decision.policy).inc()
         ep = d.endpoint
@@ -263,17 +294,43 @@ class InferenceService:
             self._finish(d.rreq, d.t0, status, ticket=d.ticket)
 
     async def handle(self, request: Request, kind: str) -> Response:
-        """HTTP: body limits, then dispatch, then SSE or JSON back to the client."""
+        """HTTP: body limits, then dispatch, then SSE or JSON back to the client.
+
+        From the moment the body is read the client's connection is watched: a client that leaves while
+        its request is queued, tokenized, waiting for the engine's headers (a non-streaming answer's come
+        with its end) or being read cancels it, which drops the engine connection (the engine aborts the
+        request), frees the admission slot and counts it `cancelled`. A stream is then watched by Starlette."""
         key_id = getattr(request.state, "api_key_id", None)  # set by the auth layer when API keys are on
-        d = await self.dispatch(await self._read_body(request), kind, request.headers.get("x-request-id"), key_id)
+        raw = await self._read_body(request)
+        work = asyncio.ensure_future(self._respond(raw, kind, request.headers.get("x-request-id"), key_id))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:  # the client left first
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return Response(status_code=499)
+            return work.result()
+        finally:
+            gone.cancel()
+
+    async def _respond(self, raw: bytes, kind: str, request_id: str | None, key_id: str | None) -> Response:
+        d = await self.dispatch(raw, kind, request_id, key_id)
         headers = {"x-request-id": d.rreq.request_id, "x-kvyard-worker": d.endpoint.worker_id}
         if d.resp.status_code >= 400:  # the engine refused the request (client error): pass it on as is
             body_bytes = await self.release(d, str(d.resp.status_code))
             return Response(body_bytes, status_code=d.resp.status_code, media_type="application/json", headers=headers)
         if d.stream:
-            return StreamingResponse(self.stream_events(d), media_type="text/event-stream; charset=utf-8",
-                                     headers={**headers, "cache-control": "no-cache"})
-        return await self._unary(request, d, headers)
+            return _RelayResponse(self, d, headers={**headers, "cache-control": "no-cache"})
+        content = await self.unary_body(d)  # cancelling this aborts the engine request
+        return Response(content, status_code=d.resp.status_code, media_type="application/json", headers=headers)
+
+    async def abandon(self, d: Dispatched) -> None:
+        """Close the books on a stream whose relay never started (its client left as the headers went out)."""
+        if not d.relay_started:
+            d.relay_started = True
+            await d.resp.aclose()
+            self._finish(d.rreq, d.t0, "cancelled", ticket=d.ticket)
 
     def _remaining(self, d: "Dispatched | _Standalone") -> float:
         return d.deadline - time.perf_counter()
@@ -306,15 +363,27 @@ class InferenceService:
             remaining = self._remaining(d)
             if remaining <= 0:
                 break
+            post = asyncio.ensure_future(self.client.post(
+                ep.url + path, payload, headers, min(read_timeout, remaining),
+                headers_timeout_s=min(headers_timeout, remaining) if headers_timeout else None, total_s=remaining))
+            inflight = self._inflight[ep.worker_id]
+            inflight.add(post)  # cancelled by `_unresponsive` if the engine is found hung meanwhile
             try:
-                resp = await self.client.post(ep.url + path, payload, headers, min(read_timeout, remaining),
-                                              headers_timeout_s=min(headers_timeout, remaining) if headers_timeout else None,
-                                              total_s=remaining)
+                resp = await post
             except EngineUnreachableError as exc:
                 last_error = f"{ep.worker_id}: {exc}"
                 log.warning("engine %s failed before answering %s: %s", ep.worker_id, rreq.request_id, last_error)
                 self._worker_failed(d, ep, last_error)
                 continue
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # this request itself is being cancelled
+                    raise
+                last_error = f"{ep.worker_id}: stopped answering (its metric scrapes failed)"
+                self._worker_failed(d, ep, last_error)
+                continue
+            finally:
+                inflight.discard(post)
+            inflight.add(resp)
             if resp.status_code >= 500:
                 last_error = f"{ep.worker_id}: HTTP {resp.status_code}"
                 await resp.aclose()
@@ -339,6 +408,7 @@ class InferenceService:
         nothing relayed yet -> the request is re-sent elsewhere; tokens relayed -> it is continued
         on another worker (migration); neither possible -> one error event, then [DONE].
         """
+        d.relay_started = True
         rreq, t0, model = d.rreq, d.t0, d.rreq.model
         itl = self.metrics.itl.labels(model)
         tracker = StreamTracker() if d.blocker is None else None
@@ -501,20 +571,6 @@ class InferenceService:
 
     # ---- unary -------------------------------------------------------------------------------
 
-    async def _unary(self, request: Request, d: Dispatched, headers: dict) -> Response:
-        read = asyncio.ensure_future(self.unary_body(d))
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            done, _ = await asyncio.wait({read, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if read not in done:  # client left: cancelling the read drops the engine connection, the engine aborts
-                read.cancel()
-                await asyncio.gather(read, return_exceptions=True)
-                return Response(status_code=499)
-            content = read.result()
-        finally:
-            gone.cancel()
-        return Response(content, status_code=d.resp.status_code, media_type="application/json", headers=headers)
-
     async def unary_body(self, d: Dispatched) -> bytes:
         """Read a non-streaming engine response; cancelling this aborts the engine request.
 
@@ -574,6 +630,21 @@ class InferenceService:
         self.metrics.requests.labels(rreq.model, "generate", status).inc()
         if self.telemetry is not None:
             self.telemetry.on_finish(rreq.model, ttft_s=ttft_s, duration_s=duration, isl=rreq.isl, osl=osl, ok=status == "ok")
+
+
+class _RelayResponse(StreamingResponse):
+    """The SSE relay of a dispatched stream; if the client leaves before the relay starts (Starlette then never
+    iterates it, so its own cleanup would not run), the engine response is dropped and the books closed."""
+
+    def __init__(self, service: InferenceService, d: Dispatched, headers: dict) -> None:
+        super().__init__(service.stream_events(d), media_type="text/event-stream; charset=utf-8", headers=headers)
+        self._service, self._d = service, d
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._service.abandon(self._d)
 
 
 def rewriter_before(tracker: StreamTracker | None, encode) -> int:

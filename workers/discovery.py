@@ -10,9 +10,15 @@ Redis schema (prefix defaults to "kvyard"):
                                           published by workers so frontends on other hosts can tokenize
     {prefix}:epoch                STRING  a random id set (NX, no expiry) by the first lister after the
                                           registry's data appeared; a new value means Redis lost its data
-A lease is renewed by re-setting the key's expiry; a worker whose process dies stops renewing and
-its key expires, so `list_workers` stops returning it within one ttl. Stale set members are pruned
-when listed.
+A lease is renewed by rewriting the whole entry with a fresh expiry (`renew(..., info=)`): an entry
+damaged or overwritten in Redis heals at the next renewal. A worker whose process dies stops renewing
+and its key expires, so `list_workers` stops returning it within one ttl. Members whose key is gone
+are pruned when listed.
+
+Entries are not trusted: each is validated as it is read (WorkerInfo's types, ranges, URL schemes, and
+its key matching its worker id) and, with a `secret` (workers/signing.py), its HMAC signature. A bad one
+is skipped with one log line (again only once it changes) and left in the set, so its worker's next
+renewal brings it back.
 
 Redis outage and restart. Every Redis error becomes `DiscoveryError`: frontends keep their last
 known view (WorkerPool.refresh) and workers keep serving and retry the renewal (WorkerSupervisor),
@@ -32,6 +38,8 @@ import uuid
 import zlib
 from typing import Protocol, runtime_checkable
 
+from workers.redis_conn import redis_client
+from workers.signing import EntryRejected, digest_signed, sign_digest, sign_entry, verify_entry
 from workers.types import WorkerInfo, WorkerState
 
 __all__ = ["Discovery", "DiscoveryError", "InMemoryDiscovery", "RedisDiscovery", "files_digest"]
@@ -49,8 +57,9 @@ class Discovery(Protocol):
         """Called once when an engine is healthy; the entry lives ttl_s unless renewed."""
         ...
 
-    async def renew(self, worker_id: str, ttl_s: float) -> bool:
-        """Called every few seconds by the worker; False if the lease was already gone."""
+    async def renew(self, worker_id: str, ttl_s: float, info: WorkerInfo | None = None) -> bool:
+        """Called every few seconds by the worker; False if the lease was already gone. With `info`, the entry
+        is rewritten from it (a damaged or overwritten entry heals) and re-created if it had lapsed."""
         ...
 
     async def set_state(self, worker_id: str, state: WorkerState) -> None:
@@ -97,12 +106,14 @@ class InMemoryDiscovery:
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         self._entries[info.worker_id] = (info.model_copy(), time.monotonic() + ttl_s)
 
-    async def renew(self, worker_id: str, ttl_s: float) -> bool:
+    async def renew(self, worker_id: str, ttl_s: float, info: WorkerInfo | None = None) -> bool:
         entry = self._entries.get(worker_id)
-        if entry is None or entry[1] < time.monotonic():
-            return False
-        self._entries[worker_id] = (entry[0], time.monotonic() + ttl_s)
-        return True
+        alive = entry is not None and entry[1] >= time.monotonic()
+        if info is not None:
+            self._entries[worker_id] = (info.model_copy(), time.monotonic() + ttl_s)
+        elif alive:
+            self._entries[worker_id] = (entry[0], time.monotonic() + ttl_s)
+        return alive
 
     async def set_state(self, worker_id: str, state: WorkerState) -> None:
         if worker_id in self._entries:
@@ -124,11 +135,11 @@ class InMemoryDiscovery:
 
 class RedisDiscovery:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvyard", *, reset_grace_s: float = 10.0,
-                 timeout_s: float = 2.0) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+                 timeout_s: float = 2.0, secret: str | bytes | None = None) -> None:
+        self._redis = redis_client(url, timeout_s)
         self._prefix = prefix
+        self._secret = (secret.encode() if isinstance(secret, str) else secret) or None  # registry_secret: sign and verify
+        self._rejected: dict[str, str] = {}  # worker id -> why its entry was last skipped (logged once per change)
         self.reset_grace_s = reset_grace_s
         self.resets = 0  # registry resets seen by list_workers (Redis restarted empty or flushed)
         self._epoch: str | None = None
@@ -151,27 +162,55 @@ class RedisDiscovery:
         except (redis.exceptions.RedisError, OSError) as exc:  # down, timed out, loading, read-only replica...
             raise DiscoveryError(f"redis unavailable: {exc}") from exc
 
+    def _encode(self, info: WorkerInfo, valid_s: float) -> str:
+        return sign_entry(info.model_dump(mode="json"), self._secret, valid_s)
+
+    def _decode(self, worker_id: str, raw: bytes) -> WorkerInfo:
+        """The entry stored under `worker_id`'s key; EntryRejected (with the reason) when it must be skipped."""
+        doc = verify_entry(raw, self._secret)
+        try:
+            info = WorkerInfo.model_validate(doc)
+        except ValueError as exc:  # pydantic's ValidationError
+            err = exc.errors()[0] if hasattr(exc, "errors") else {}
+            where = ".".join(str(p) for p in err.get("loc", ())) or "entry"
+            raise EntryRejected(f"invalid {where}: {err.get('msg', exc)}") from None
+        if info.worker_id != worker_id:
+            raise EntryRejected(f"stored under worker id {worker_id!r} but names {info.worker_id!r}")
+        return info
+
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         pipe = self._redis.pipeline(transaction=True)
-        pipe.set(self._key(info.worker_id), info.model_dump_json(), px=int(ttl_s * 1000))
+        pipe.set(self._key(info.worker_id), self._encode(info, ttl_s), px=int(ttl_s * 1000))
         pipe.sadd(self._set, info.worker_id)
         await self._call(pipe.execute())
 
-    async def renew(self, worker_id: str, ttl_s: float) -> bool:
+    async def renew(self, worker_id: str, ttl_s: float, info: WorkerInfo | None = None) -> bool:
         pipe = self._redis.pipeline(transaction=True)
-        pipe.pexpire(self._key(worker_id), int(ttl_s * 1000))
+        if info is None:
+            pipe.pexpire(self._key(worker_id), int(ttl_s * 1000))
+        else:  # rewrite: whatever the key holds now (damaged, overwritten) is replaced by the worker's own entry
+            pipe.exists(self._key(worker_id))
+            pipe.set(self._key(worker_id), self._encode(info, ttl_s), px=int(ttl_s * 1000))
         pipe.sadd(self._set, worker_id)  # heals a concurrent prune by a frontend
-        alive, _ = await self._call(pipe.execute())
-        if not alive:
+        alive = (await self._call(pipe.execute()))[0]
+        if not alive and info is None:
             await self._call(self._redis.srem(self._set, worker_id))
         return bool(alive)
 
     async def set_state(self, worker_id: str, state: WorkerState) -> None:
-        raw = await self._call(self._redis.get(self._key(worker_id)))
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.get(self._key(worker_id))
+        pipe.pttl(self._key(worker_id))
+        raw, pttl = await self._call(pipe.execute())
         if raw is None:
             return
-        info = WorkerInfo.model_validate_json(raw).model_copy(update={"state": state})
-        await self._call(self._redis.set(self._key(worker_id), info.model_dump_json(), keepttl=True))
+        try:
+            info = self._decode(worker_id, raw).model_copy(update={"state": state})
+        except EntryRejected as exc:
+            log.warning("cannot change the state of %s: its registry entry is unusable (%s)", worker_id, exc)
+            return
+        valid_s = max(pttl, 0) / 1000 if isinstance(pttl, int) else 0.0
+        await self._call(self._redis.set(self._key(worker_id), self._encode(info, valid_s), keepttl=True))
 
     async def deregister(self, worker_id: str) -> None:
         pipe = self._redis.pipeline(transaction=True)
@@ -216,11 +255,18 @@ class RedisDiscovery:
                 gone.append(wid)
                 continue
             try:
-                out.append(WorkerInfo.model_validate_json(raw))
-            except ValueError:
-                gone.append(wid)  # unreadable entry: treat as absent
+                out.append(self._decode(wid, raw))
+            except EntryRejected as exc:  # skipped, not pruned: the worker's next renewal rewrites it
+                if self._rejected.get(wid) != str(exc):
+                    self._rejected[wid] = str(exc)
+                    log.warning("registry entry of worker %r skipped: %s", wid[:200], exc)
+                continue
+            if self._rejected.pop(wid, None) is not None:
+                log.info("registry entry of worker %s is usable again", wid)
         if gone:
             await self._call(self._redis.srem(self._set, *gone))
+            for wid in gone:
+                self._rejected.pop(wid, None)
         return out
 
     async def publish_files(self, model: str, files: dict[str, bytes]) -> None:
@@ -230,22 +276,26 @@ class RedisDiscovery:
         if current is not None and current.decode() == digest:
             return
         mapping = {name: zlib.compress(data, 6) for name, data in files.items()}
+        signed = {"__sig": sig} if (sig := sign_digest(digest, self._secret)) else {}
         pipe = self._redis.pipeline(transaction=True)
         pipe.delete(key)
-        pipe.hset(key, mapping={**mapping, "__digest": digest})
+        pipe.hset(key, mapping={**mapping, "__digest": digest, **signed})
         await self._call(pipe.execute())
 
     async def fetch_files(self, model: str) -> dict[str, bytes]:
         raw = await self._call(self._redis.hgetall(f"{self._prefix}:files:{model}"))
         out: dict[str, bytes] = {}
         for name, data in raw.items():
-            name = name.decode()
-            if name == "__digest":
+            name = name.decode("utf-8", "replace")
+            if name in ("__digest", "__sig"):
                 continue
             try:
                 out[name] = zlib.decompress(data)
             except zlib.error:
                 return {}  # a damaged upload: behave as if none were published
+        if self._secret and out and not digest_signed(files_digest(out), raw.get(b"__sig"), self._secret):
+            log.warning("tokenizer files of %r in the registry are not signed with this cluster's secret: ignored", model[:200])
+            return {}
         return out
 
     async def close(self) -> None:

@@ -11,7 +11,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, Field
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, Field, field_validator
 
 __all__ = ["WorkerRole", "WorkerState", "WorkerInfo", "EngineMetrics", "LaunchSpec", "EngineLaunchConfig"]
 
@@ -30,27 +32,46 @@ class WorkerState(str, enum.Enum):
 
 
 class WorkerInfo(BaseModel):
-    """A registered engine. Written by `kvyard worker` (or the local launcher), read by frontends."""
+    """A registered engine. Written by `kvyard worker` (or the local launcher), read by frontends.
 
-    worker_id: str
-    model: str
-    backend: str
+    Validated on both sides (types, ranges, URL schemes): an entry a frontend cannot trust is skipped with
+    one log line (workers/discovery.py), never turned into failing requests."""
+
+    worker_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,199}$")
+    model: str = Field(min_length=1, max_length=512)
+    backend: str = Field(pattern=r"^[a-z0-9_-]{1,32}$")
     role: WorkerRole = WorkerRole.BOTH
-    url: str  # engine HTTP base URL, e.g. http://127.0.0.1:8100
-    block_size: int = 16
-    max_model_len: int = 4096
-    tokenizer: str | None = None  # local path of a folder holding tokenizer.json (+ tokenizer_config.json)
-    kv_events_endpoint: str | None = None  # ZMQ PUB endpoint, as a subscriber connects to it
-    kv_replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for replay
-    kv_events_topic: str = ""
+    url: str = Field(max_length=2048)  # engine HTTP base URL, e.g. http://127.0.0.1:8100
+    block_size: int = Field(16, ge=1, le=65536)
+    max_model_len: int = Field(4096, ge=1, le=1 << 30)
+    tokenizer: str | None = Field(None, max_length=4096)  # local path of a folder holding tokenizer.json (+ tokenizer_config.json)
+    kv_events_endpoint: str | None = Field(None, max_length=2048)  # ZMQ PUB endpoint, as a subscriber connects to it
+    kv_replay_endpoint: str | None = Field(None, max_length=2048)  # ZMQ ROUTER endpoint for replay
+    kv_events_topic: str = Field("", max_length=256)
     # Disaggregated prefill/decode: which engine's P/D hand-off protocol the engine speaks
     # ("vllm" | "sglang" | "trtllm"; None: its backend's own, e.g. the sim's --flavor is set here),
     # and, for SGLang prefill engines, the port of their bootstrap server (--disaggregation-bootstrap-port).
-    pd_protocol: str | None = None
-    bootstrap_port: int | None = None
+    pd_protocol: str | None = Field(None, pattern=r"^[a-z0-9_-]{1,32}$")
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
     state: WorkerState = WorkerState.READY
-    started_at: float = Field(default_factory=time.time)
-    labels: dict[str, str] = Field(default_factory=dict)
+    started_at: float = Field(default_factory=time.time, ge=0, allow_inf_nan=False)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        u = urlsplit(v)
+        if u.scheme not in ("http", "https") or not u.hostname or u.username or u.password or u.query or u.fragment:
+            raise ValueError("url must be http(s)://host[:port][/path], without credentials, query or fragment")
+        u.port  # noqa: B018  (raises ValueError for a port out of range)
+        return v
+
+    @field_validator("kv_events_endpoint", "kv_replay_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError("a KV-event endpoint is tcp://, ipc:// or inproc://")
+        return v
 
 
 @dataclass(slots=True)

@@ -1,7 +1,11 @@
 """The worker process: one engine, registered under a lease, drained on shutdown.
 
 Lifecycle (`kvyard worker`, and each worker of `kvyard up`):
-    start engine -> wait healthy -> register(info, ttl) -> renew every ttl/3
+    start engine -> wait healthy -> register(info, ttl) -> every ttl/3: GET the engine's health, then renew
+    (the renewal rewrites the whole entry, so one damaged in the registry heals within ttl/3)
+An engine that fails `health_failures` health checks in a row (hung, SIGSTOPped, wedged) has its lease
+left to lapse, so every frontend drops it within one ttl even if it still accepts connections; once it
+answers again the worker registers it anew.
     SIGTERM -> state=draining (frontends stop sending) -> wait until the engine has nothing running
             (or drain_timeout) -> deregister -> stop engine
 If the engine dies, the worker deregisters at once and exits non-zero. If discovery is unreachable,
@@ -46,6 +50,7 @@ class WorkerOptions:
     labels: dict[str, str] = field(default_factory=dict)
     pd_protocol: str | None = None  # P/D hand-off protocol to register (orchestrator/disagg/launch.py)
     bootstrap_port: int | None = None  # SGLang prefill engines: their bootstrap server's port
+    health_failures: int = 2  # failed health checks in a row before the lease is left to lapse; 0: never checked
 
 
 class WorkerSupervisor:
@@ -58,6 +63,7 @@ class WorkerSupervisor:
         self.engine = EngineProcess(backend, cfg, opts.log_path)
         self.info: WorkerInfo | None = None
         self._stop = asyncio.Event()
+        self._unhealthy = 0  # failed engine health checks in a row
 
     def _endpoint_for_clients(self, endpoint: str | None) -> str | None:
         if not endpoint:
@@ -120,7 +126,8 @@ class WorkerSupervisor:
                 log.error("engine of %s exited with %s:\n%s", self.worker_id, self.engine.returncode, self.engine.log_tail())
                 code = 1
                 break
-            await self._renew()
+            if await self._engine_answers(min(2.0, interval)):
+                await self._renew()
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=interval)
             except asyncio.TimeoutError:
@@ -128,12 +135,31 @@ class WorkerSupervisor:
         await self.shutdown(drain=code == 0)
         return code
 
+    async def _engine_answers(self, timeout_s: float) -> bool:
+        """False once the engine has failed `health_failures` health checks in a row (its lease is then not renewed)."""
+        if not self.opts.health_failures:
+            return True
+        try:
+            async with httpx.AsyncClient(timeout=timeout_s) as client:
+                ok = (await client.get(self.engine.url + self.backend.health_path)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            if self._unhealthy >= self.opts.health_failures:
+                log.warning("engine of %s answers its health check again: renewing its lease", self.worker_id)
+            self._unhealthy = 0
+            return True
+        self._unhealthy += 1
+        if self._unhealthy == self.opts.health_failures:
+            log.error("engine of %s failed %d health checks in a row: its lease is no longer renewed, so frontends "
+                      "stop routing to it", self.worker_id, self._unhealthy)
+        return self._unhealthy < self.opts.health_failures
+
     async def _renew(self) -> None:
         assert self.info is not None
         try:
-            if not await self.discovery.renew(self.worker_id, self.opts.lease_ttl_s):
-                log.warning("lease of %s had lapsed; registering again", self.worker_id)
-                await self.discovery.register(self.info, self.opts.lease_ttl_s)
+            if not await self.discovery.renew(self.worker_id, self.opts.lease_ttl_s, info=self.info):
+                log.warning("lease of %s had lapsed; registered again", self.worker_id)
                 await self._publish_tokenizer()  # a Redis restarted empty lost the tokenizer files too
         except DiscoveryError as exc:
             log.warning("cannot renew lease of %s (will retry): %s", self.worker_id, exc)
@@ -149,6 +175,7 @@ class WorkerSupervisor:
     async def shutdown(self, drain: bool = True) -> None:
         """Drain (state=draining, wait for in-flight to finish), deregister, stop the engine."""
         if self.info is not None and drain:
+            self.info = self.info.model_copy(update={"state": WorkerState.DRAINING})
             try:
                 await self.discovery.set_state(self.worker_id, WorkerState.DRAINING)
             except DiscoveryError as exc:

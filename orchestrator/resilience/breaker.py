@@ -11,6 +11,9 @@ still answers TCP keeps being picked until its lease lapses).
 
 - A failure is a connection error, a 5xx, a timeout, or a stream that broke mid-way; a success is a
   request that completed (a 4xx is a success: the engine is alive and answered).
+- `trip` opens it at once: the pool calls it (through the service) when an engine failed
+  `liveness_failures` metric scrapes in a row (a hung engine: it accepts connections and never
+  answers), and the service then fails over the requests in flight there.
 - OPEN and HALF_OPEN workers are skipped by routing. In HALF_OPEN the probe loop sends one
   GET /health (a short deadline); 200 closes the breaker, anything else re-opens it with the
   cooldown doubled (capped at max_open_s).
@@ -114,6 +117,14 @@ class BreakerBoard:
         if b.state == BreakerState.CLOSED and b.failures >= self.failure_threshold:
             b.cooldown_s = self.open_s
             self._open(worker_id, b, f"{b.failures} consecutive failures (last: {reason})")
+
+    def trip(self, worker_id: str, reason: str) -> None:
+        """Open the breaker now, whatever the count (the worker stopped answering its scrapes: a hung engine)."""
+        b = self._b.setdefault(worker_id, Breaker())
+        b.failures = max(b.failures, self.failure_threshold)
+        if b.state == BreakerState.CLOSED:
+            b.cooldown_s = self.open_s
+            self._open(worker_id, b, reason)
 
     def prune(self, live: set[str]) -> None:
         for wid in [w for w in self._b if w not in live]:

@@ -59,9 +59,9 @@ return {verdict, tostring(wait), tostring(rl or 0), tostring(tl or 0)}
 class RedisRateLimiter:
     def __init__(self, url: str, prefix: str = "kvyard", *, client=None, timeout_s: float = 0.5,
                  fallback: RateLimiter | None = None) -> None:
-        import redis.asyncio as aioredis
+        from workers.redis_conn import redis_client
 
-        self._redis = client or aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._redis = client or redis_client(url, timeout_s)
         self._own = client is None
         self.prefix = prefix
         self.fallback = fallback or RateLimiter()

@@ -39,6 +39,7 @@ class WorkerSpec:
     role: str
     redis_url: str | None = None  # discovery: Redis at this URL, else the hub below
     discovery_prefix: str = "kvyard"
+    registry_secret: str | None = None  # signs the registry entries (workers/signing.py)
     discovery_hub: object | None = None  # a DiscoveryHub actor handle (planner/connectors/ray_discovery.py)
     worker_id: str | None = None
     lease_ttl_s: float = 6.0
@@ -84,7 +85,7 @@ class KvyardWorkerActor:
 
         if not s.redis_url:
             raise ConnectorError("a WorkerSpec needs a redis_url or a discovery_hub")
-        return RedisDiscovery(s.redis_url, s.discovery_prefix)
+        return RedisDiscovery(s.redis_url, s.discovery_prefix, secret=s.registry_secret)
 
     def _backend(self):
         from workers.registry import get_backend

@@ -29,8 +29,8 @@ class DiscoveryHub:
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         await self.d.register(info, ttl_s)
 
-    async def renew(self, worker_id: str, ttl_s: float) -> bool:
-        return await self.d.renew(worker_id, ttl_s)
+    async def renew(self, worker_id: str, ttl_s: float, info: WorkerInfo | None = None) -> bool:
+        return await self.d.renew(worker_id, ttl_s, info)
 
     async def set_state(self, worker_id: str, state: WorkerState) -> None:
         await self.d.set_state(worker_id, state)
@@ -73,8 +73,8 @@ class RayActorDiscovery:
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         await self._call("register", info, ttl_s)
 
-    async def renew(self, worker_id: str, ttl_s: float) -> bool:
-        return bool(await self._call("renew", worker_id, ttl_s))
+    async def renew(self, worker_id: str, ttl_s: float, info: WorkerInfo | None = None) -> bool:
+        return bool(await self._call("renew", worker_id, ttl_s, info))
 
     async def set_state(self, worker_id: str, state: WorkerState) -> None:
         await self._call("set_state", worker_id, state)

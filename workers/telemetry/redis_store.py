@@ -29,10 +29,10 @@ def _s(raw: object) -> str:
 class RedisTelemetryStore:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", schema: TelemetrySchema | None = None, *,
                  client=None, timeout_s: float = 2.0) -> None:
-        import redis.asyncio as aioredis
+        from workers.redis_conn import redis_client
 
         self.schema = schema or TelemetrySchema()
-        self._redis = client or aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._redis = client or redis_client(url, timeout_s)
 
     async def _run(self, coro):
         import redis.exceptions

@@ -174,9 +174,9 @@ return {1, ver + 1}
 class RedisTargetsStore:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "kvyard", *, client=None,
                  history_cap: int = 100, timeout_s: float = 2.0) -> None:
-        import redis.asyncio as aioredis
+        from workers.redis_conn import redis_client
 
-        self._redis = client or aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._redis = client or redis_client(url, timeout_s)
         self.key = f"{prefix}:targets"
         self.history_key = f"{prefix}:targets:history"
         self.history_cap = history_cap
