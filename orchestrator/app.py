@@ -30,7 +30,8 @@ from orchestrator.security import (
     is_loopback,
     register_secret,
 )
-from orchestrator.security.http import authorize_inference
+from orchestrator.security.http import authorize_inference, require_json
+from orchestrator.security.origin import HostOriginGuard, default_allowed_hosts
 from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_store
 from workers.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
 from orchestrator.disagg import DisaggCoordinator
@@ -123,6 +124,9 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
                 await loopwatch.close()
 
     app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan)
+    allowed_hosts = frozenset(cfg.allowed_hosts) if cfg.allowed_hosts is not None else default_allowed_hosts(cfg.host)
+    app.add_middleware(HostOriginGuard, allowed_hosts=allowed_hosts, allowed_origins=frozenset(cfg.allowed_origins),
+                       on_refused=lambda code: metrics.requests.labels("", "host_origin_check", "403").inc())
 
     def count(request: Request, status: int) -> None:
         """Every error answer is counted, by route template (never the raw path: unbounded label values)."""
@@ -149,6 +153,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     model_context = pool.context_len  # the smallest context among the model's workers
 
     async def inference(request: Request, kind: str) -> Response:
+        require_json(request)  # a cross-site text/plain or form POST (no CORS preflight) never runs inference
         request, grant = await authorize_inference(guard, request, kind, cfg.max_body_bytes, model_context)
         response = await service.handle(request, kind)
         if grant is not None:

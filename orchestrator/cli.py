@@ -16,6 +16,8 @@ import secrets
 import shutil
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 import uvicorn
 from pydantic import ValidationError
@@ -44,14 +46,54 @@ def _setup_logging(level: str) -> None:
     install_redaction()  # bearer tokens and API keys never reach a log line
 
 
+def _say(text: str) -> None:
+    """Print for the operator: secrets (a Redis password, tokens, keys) masked as in the logs."""
+    from orchestrator.security import redact
+
+    print(redact(text), flush=True)
+
+
+def _registry_secret(ns: argparse.Namespace) -> str | None:
+    """--registry-secret-file, else $KVYARD_REGISTRY_SECRET (workers/signing.py); registered for redaction."""
+    from orchestrator.security import register_secret
+
+    path = getattr(ns, "registry_secret_file", None)
+    if path:
+        try:
+            secret = open(path).read().strip()
+        except OSError as exc:
+            raise SystemExit(f"kvyard: --registry-secret-file {path}: {exc.strerror or exc}") from None
+    else:
+        secret = os.environ.get("KVYARD_REGISTRY_SECRET") or None
+    if secret is not None and len(secret) < 16:
+        raise SystemExit("kvyard: the registry secret must be at least 16 characters")
+    register_secret(secret)
+    return secret
+
+
+def _redis_url_secret(url: str | None) -> None:
+    """Mask the password of a Redis URL wherever it could be printed."""
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    from orchestrator.security import register_secret
+
+    if url:
+        u = urlsplit(url)
+        for pw in [u.password and unquote(u.password), *parse_qs(u.query).get("password", [])]:
+            register_secret(pw)
+
+
 def _frontend_args(p: argparse.ArgumentParser) -> None:
     # defaults of None: the value then comes from --config, else from FrontendConfig's defaults
     p.add_argument("--host", default=None, help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 8000")
     p.add_argument("--grpc-port", type=int, default=None, help=f"KServe v2 gRPC port (default {DEFAULT_GRPC_PORT}; 0 disables)")
     p.add_argument("--policy", default=None, choices=policy_names(), help="default kv (KV-cache-aware)")
-    p.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL"))
+    p.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL"),
+                   help="redis://[user:password@]host:port/db or rediss://...?ssl_ca_certs=PATH (env KVYARD_REDIS_URL)")
     p.add_argument("--discovery-prefix", default=None, help="Redis key prefix, one per cluster (default kvyard)")
+    p.add_argument("--registry-secret-file", default=None,
+                   help="shared secret signing the registry's entries (env KVYARD_REGISTRY_SECRET); see docs/security.md")
     p.add_argument("--config", help="YAML file with the same keys as the flags (flags win)")
     # reliability (orchestrator/resilience); every other knob is a `frontend:` key of --config
     p.add_argument("--max-migrations", type=int, default=None, help="mid-stream continuations on another worker per request (default 3; 0 off)")
@@ -116,8 +158,11 @@ def _build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--kv-events-port", type=int, default=None, help="default: port + 1000")
     wk.add_argument("--block-size", type=int, default=16)
     wk.add_argument("--max-model-len", type=int, default=4096)
-    wk.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    wk.add_argument("--redis-url", default=os.environ.get("KVYARD_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                    help="redis://[user:password@]host:port/db or rediss://...?ssl_ca_certs=PATH (env KVYARD_REDIS_URL)")
     wk.add_argument("--discovery-prefix", default="kvyard", help="Redis key prefix (one per cluster)")
+    wk.add_argument("--registry-secret-file", default=None,
+                    help="shared secret signing this worker's registry entry (env KVYARD_REGISTRY_SECRET)")
     wk.add_argument("--lease-ttl", type=float, default=6.0)
     wk.add_argument("--drain-timeout", type=float, default=60.0)
     wk.add_argument("--engine-start-timeout", type=float, default=600.0,
@@ -152,13 +197,22 @@ def _frontend_config(ns: argparse.Namespace) -> FrontendConfig:
     if bool(data.get("tls_cert_file")) != bool(data.get("tls_key_file")):
         raise SystemExit("kvyard: --tls-cert and --tls-key go together")
     data.setdefault("grpc_port", DEFAULT_GRPC_PORT)  # on by default from the CLI; FrontendConfig's own default is off
+    secret = _registry_secret(ns)
+    if secret:
+        data["registry_secret"] = secret
+    _redis_url_secret(data.get("redis_url"))
     return FrontendConfig(**data)
 
 
 async def _serve(app, cfg: FrontendConfig) -> uvicorn.Server:
+    from orchestrator.security.connections import guarded_protocol
+
     tls = app.state.tls.uvicorn_kwargs() if getattr(app.state, "tls", None) else {}  # checked by create_app
+    closed = app.state.metrics.connections_closed
+    http = guarded_protocol(cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_connections,
+                            on_closed=lambda reason: closed.labels(reason).inc())
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                                           timeout_keep_alive=30, backlog=4096, **tls))
+                                           timeout_keep_alive=30, backlog=4096, http=http, **tls))
     server.install_signal_handlers = lambda: None  # we own SIGINT/SIGTERM
     return server
 
@@ -169,10 +223,9 @@ async def _run_up(ns: argparse.Namespace) -> int:
 
     fcfg = _frontend_config(ns)
     admin_token_generated = not fcfg.admin_token
-    if admin_token_generated:  # local use: a one-off admin token for the dashboard's edits (printed below, as Jupyter does);
-        # reads from this machine stay open so local scripts can poll /api/cluster
-        fcfg = fcfg.model_copy(update={"admin_token": secrets.token_urlsafe(24), "admin_loopback_reads":
-                                       True if fcfg.admin_loopback_reads is None else fcfg.admin_loopback_reads})
+    if admin_token_generated:  # local use: a one-off admin token for the dashboard and /api/* (printed below, as Jupyter
+        # does); set KVYARD_ADMIN_TOKEN to choose it (scripts reading /api/cluster send it as a bearer token)
+        fcfg = fcfg.model_copy(update={"admin_token": secrets.token_urlsafe(24)})
     data = load_yaml(ns.config) if ns.config else {}
     data.pop("frontend", None)
     overrides = {k: v for k, v in {
@@ -216,11 +269,15 @@ async def _run_up(ns: argparse.Namespace) -> int:
     dash = f"{base}/dashboard" + (f"#token={fcfg.admin_token}" if admin_token_generated else "")
     sizes = (f"{ccfg.prefill_workers} prefill + {ccfg.decode_workers} decode ({ccfg.flavor} hand-off)"
              if ccfg.prefill_workers or ccfg.decode_workers else str(ccfg.workers))
-    print(f"\nkvyard is up: {sizes} × {ccfg.backend}{' (Ray actors)' if ns.ray else ''} serving model '{ccfg.served_model_name}'\n"
-          f"  OpenAI endpoint  {base}/v1{'  (API keys required)' if fcfg.api_keys_file else '  (no API key needed)'}\n"
-          f"  dashboard        {dash}\n  metrics          {base}/metrics\n"
+    from orchestrator.security import redact
+
+    # the generated admin token is shown once, in the dashboard URL; everything else is redacted like the logs
+    print(redact(f"\nkvyard is up: {sizes} × {ccfg.backend}{' (Ray actors)' if ns.ray else ''} serving model '{ccfg.served_model_name}'\n"
+                 f"  OpenAI endpoint  {base}/v1{'  (API keys required)' if fcfg.api_keys_file else '  (no API key needed)'}\n"
+                 "  dashboard        ") + (dash if admin_token_generated else redact(dash)) + redact(
+          f"\n  metrics          {base}/metrics\n"
           + (f"  KServe v2 gRPC   {fcfg.host}:{fcfg.grpc_port}\n" if fcfg.grpc_port else "") +
-          f"  engine logs      {ccfg.log_dir}/\nPress Ctrl-C to stop.", flush=True)
+          f"  engine logs      {ccfg.log_dir}/\nPress Ctrl-C to stop."), flush=True)
     planner = connector = None
     if ns.planner:
         from orchestrator.local_scaling import local_connector
@@ -244,8 +301,8 @@ async def _run_up(ns: argparse.Namespace) -> int:
             pass  # targets already stored (shared Redis): keep them
         planner, _, _ = embedded_planner(pcfg, connector, telemetry=app.state.telemetry_store, targets=app.state.targets)
         planner.start()
-        print(f"  planner          every {pcfg.interval_s:.0f}s, mode {pcfg.mode}{' (advisory)' if pcfg.advisory else ''};"
-              " set targets on the dashboard or PUT /admin/targets", flush=True)
+        _say(f"  planner          every {pcfg.interval_s:.0f}s, mode {pcfg.mode}{' (advisory)' if pcfg.advisory else ''};"
+             " set targets on the dashboard or PUT /admin/targets")
     await asyncio.wait({serve_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if planner is not None:  # planner first, then its connector, then the workers
         await planner.close()
@@ -268,8 +325,16 @@ def _cpu_list(text: str | None) -> frozenset[int] | None:
 
 
 async def _run_worker(ns: argparse.Namespace) -> int:
+    run_dir = Path(tempfile.mkdtemp(prefix="kvyard-worker-"))  # 0700: the KV-event ipc:// sockets of a loopback engine
+    try:
+        return await _serve_worker(ns, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _serve_worker(ns: argparse.Namespace, run_dir: Path) -> int:
     from orchestrator.disagg.launch import kv_connector_of, pd_registration
-    from orchestrator.launcher import default_tokenizer
+    from orchestrator.launcher import default_tokenizer, kv_event_endpoints
     from workers.discovery import RedisDiscovery
     from workers.registry import get_backend
     from workers.types import EngineLaunchConfig
@@ -277,11 +342,13 @@ async def _run_worker(ns: argparse.Namespace) -> int:
 
     kv_port = ns.kv_events_port or ns.port + 1000
     extra = [a for a in ns.engine_args if a != "--"]
+    events, replay = kv_event_endpoints(ns.host, kv_port, run_dir)
     cfg = EngineLaunchConfig(model=ns.model, served_model_name=ns.served_model_name, host=ns.host, port=ns.port,
                              block_size=ns.block_size, max_model_len=ns.max_model_len,
-                             kv_events_endpoint=f"tcp://*:{kv_port}", kv_replay_endpoint=f"tcp://*:{kv_port + 1}",
+                             kv_events_endpoint=events, kv_replay_endpoint=replay,
                              python=ns.engine_python, extra_args=extra, cpus=_cpu_list(ns.engine_cpus))
-    discovery = RedisDiscovery(ns.redis_url, prefix=ns.discovery_prefix)
+    _redis_url_secret(ns.redis_url)
+    discovery = RedisDiscovery(ns.redis_url, prefix=ns.discovery_prefix, secret=_registry_secret(ns))
     backend = get_backend(ns.backend)
     if ns.backend == "vllm":
         from workers.vllm.backend import VllmBackend
@@ -301,7 +368,7 @@ async def _run_worker(ns: argparse.Namespace) -> int:
     except BaseException:
         await sup.shutdown(drain=False)
         raise
-    print(f"worker {sup.worker_id} ready at {sup.info.url}", flush=True)
+    _say(f"worker {sup.worker_id} ready at {sup.info.url}")
     code = await sup.run()
     await discovery.close()
     return code
@@ -311,12 +378,16 @@ async def _run_frontend(ns: argparse.Namespace) -> int:
     from orchestrator.app import create_app
 
     cfg = _frontend_config(ns)
+    if not cfg.redis_url:  # without a registry it would serve nothing while looking alive
+        raise SystemExit("kvyard frontend: --redis-url (or KVYARD_REDIS_URL) is required: the frontend finds its workers in "
+                         "Redis. For a self-contained local cluster (engines, frontend and in-memory registry in one "
+                         "process), run `kvyard up`.")
     server = await _serve(create_app(cfg), cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     grpc_note = f", gRPC on {cfg.host}:{cfg.grpc_port}" if cfg.grpc_port else ""
-    print(f"kvyard frontend on {'https' if cfg.tls_cert_file else 'http'}://{cfg.host}:{cfg.port}/v1{grpc_note} (discovery: {cfg.redis_url or 'in-memory'})", flush=True)
+    _say(f"kvyard frontend on {'https' if cfg.tls_cert_file else 'http'}://{cfg.host}:{cfg.port}/v1{grpc_note} (discovery: {cfg.redis_url})")
     await server.serve()
     return 0
 
@@ -351,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except ValidationError as exc:  # a bad --config value or flag: what and where, not a traceback
-        raise SystemExit(f"kvyard: bad configuration: {exc}") from None
+        from orchestrator.security import redact
+
+        raise SystemExit(redact(f"kvyard: bad configuration: {exc}")) from None
 
 
 if __name__ == "__main__":

@@ -80,6 +80,11 @@ class FrontendConfig(BaseModel):
     # are failed over to other workers (orchestrator/pool.py); 0: scrapes never judge liveness
     liveness_failures: int = Field(2, ge=0)
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    # slow and idle clients (orchestrator/security/connections.py): the longest a request's headers, and a silence inside
+    # its body, may take; open connections beyond max_connections are closed as they arrive
+    header_timeout_s: float = Field(15.0, gt=0)
+    body_timeout_s: float = Field(30.0, gt=0)
+    max_connections: int = Field(4096, ge=1)
     connect_timeout_s: float = Field(5.0, gt=0)
     first_byte_timeout_s: float = Field(300.0, gt=0)  # time for the engine to answer headers (queueing)
     stream_idle_timeout_s: float = Field(300.0, gt=0)  # longest silence between two chunks of a stream
@@ -108,6 +113,10 @@ class FrontendConfig(BaseModel):
     admin_token: str | None = Field(None, repr=False)  # bearer token of /admin, /dashboard and /api/*; None disables them
     # None: on when there is no admin token and the frontend listens on loopback only (orchestrator/security/guards.py)
     admin_loopback_reads: bool | None = None
+    # Host names this frontend answers to on state-changing and admin routes (orchestrator/security/origin.py: DNS
+    # rebinding); None: localhost/127.0.0.1/::1 when bound to loopback, else any; ["*"]: any
+    allowed_hosts: list[str] | None = None
+    allowed_origins: list[str] = Field(default_factory=list)  # web origins besides the frontend's own (e.g. a separate UI)
     api_keys_file: Path | None = None  # inference API keys (orchestrator/security/keys.py); None: no key needed
     rate_limit_store: str = Field("auto", pattern="^(auto|local|redis)$")  # per-key buckets; auto: redis when redis_url is set
     tls_cert_file: Path | None = None  # PEM certificate (chain) for HTTPS and gRPC over TLS; with tls_key_file

@@ -9,6 +9,7 @@
     │   └── ModelNotFoundError   404 not_found_error / model_not_found
     ├── ConflictError            409 invalid_request_error / version_conflict
     ├── PayloadTooLargeError     413 invalid_request_error / payload_too_large
+    ├── UnsupportedMediaTypeError 415 invalid_request_error / unsupported_media_type
     ├── RateLimitError           429 rate_limit_error (Retry-After)
     ├── ServiceUnavailableError  503 service_unavailable (Retry-After)
     └── UpstreamError            502 upstream_error (an engine failed and no other could serve)
@@ -33,6 +34,7 @@ __all__ = [
     "NotFoundError",
     "ConflictError",
     "PayloadTooLargeError",
+    "UnsupportedMediaTypeError",
     "RateLimitError",
     "ServiceUnavailableError",
     "UpstreamError",
@@ -97,6 +99,12 @@ class PayloadTooLargeError(KvyardError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class UnsupportedMediaTypeError(KvyardError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
 
 
 class RateLimitError(KvyardError):

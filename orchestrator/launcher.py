@@ -1,18 +1,20 @@
 """Local launcher behind `kvyard up`: N engines as child processes, each under a WorkerSupervisor,
 registered in the same discovery the in-process frontend reads (in-memory unless a Redis URL is given).
 
-KV events use ipc:// sockets in a private run directory, so nothing listens beyond 127.0.0.1.
+KV events use ipc:// sockets in a private run directory (removed by `stop`), so nothing listens beyond 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import socket
 import tempfile
 from pathlib import Path
 
 from orchestrator.config import ClusterConfig
+from orchestrator.security.guards import is_loopback
 from workers.discovery import Discovery
 from workers.registry import get_backend
 from orchestrator.disagg.launch import pd_launch
@@ -20,7 +22,7 @@ from workers.process import cpus_but_first
 from workers.types import EngineLaunchConfig, WorkerRole
 from workers.worker import WorkerOptions, WorkerSupervisor
 
-__all__ = ["LocalCluster", "default_tokenizer", "engine_config", "port_is_free"]
+__all__ = ["LocalCluster", "default_tokenizer", "engine_config", "kv_event_endpoints", "port_is_free"]
 
 log = logging.getLogger("kvyard.launcher")
 
@@ -43,6 +45,25 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
+
+
+def kv_event_endpoints(host: str, port: int, run_dir: Path) -> tuple[str, str]:
+    """(events, replay) endpoints of an engine bound to `host` (`kvyard worker`), exposed no wider than its HTTP port.
+
+    loopback host     ipc:// sockets in `run_dir` (a private 0700 folder): nothing listens on TCP at all
+    wildcard host     tcp://*:port and port + 1 (the engine serves every interface anyway)
+    another address   replay on that address; the PUB socket on *: vLLM's publisher (and the sim, faithful to
+                      it) binds only wildcard endpoints and *connects* to any other tcp one. Logged; firewall
+                      the port or use a loopback/wildcard host."""
+    if host == "localhost" or is_loopback(host):
+        return f"ipc://{run_dir}/kv-events.sock", f"ipc://{run_dir}/kv-replay.sock"
+    if host in ("", "*", "0.0.0.0", "::"):
+        return f"tcp://*:{port}", f"tcp://*:{port + 1}"
+    log.warning("the engine's KV-event PUB socket binds every interface on port %d (engines bind only wildcard tcp "
+                "endpoints); its replay socket binds %s. Firewall port %d, or bind the worker to loopback or 0.0.0.0.",
+                port, host, port)
+    bracketed = f"[{host}]" if ":" in host else host
+    return f"tcp://*:{port}", f"tcp://{bracketed}:{port + 1}"
 
 
 def engine_config(c: ClusterConfig, port: int, kv_events_endpoint: str | None, kv_replay_endpoint: str | None,
@@ -148,3 +169,4 @@ class LocalCluster:
         idle = [s for s in self.supervisors if s not in self._running]
         await asyncio.gather(*(s.shutdown(drain=drain) for s in idle), return_exceptions=True)
         self._running.clear()
+        shutil.rmtree(self.run_dir, ignore_errors=True)  # the engines' KV-event sockets

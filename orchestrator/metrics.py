@@ -35,6 +35,8 @@ class FrontendMetrics:
         self.retries = Counter("kvyard_engine_retries", "Requests re-sent to another engine before streaming", ["model"], registry=r)
         self.fields_removed = Counter("kvyard_request_fields_removed", "Top-level fields removed from client requests before "
                                       "the engine saw them (engine_internal | unknown)", ["reason"], registry=r)
+        self.connections_closed = Counter("kvyard_connections_closed", "Client connections closed by the frontend's guards "
+                                          "(headers_timeout | body_timeout | too_many_connections)", ["reason"], registry=r)
         self.workers = Gauge("kvyard_workers", "Live workers by model and state", ["model", "state"], registry=r)
         # security (orchestrator/security): refused credentials and rate-limited keys
         self.auth_failures = Counter("kvyard_auth_failures", "Requests refused for their credentials, by surface "

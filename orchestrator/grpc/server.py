@@ -109,6 +109,7 @@ async def start_grpc_server(service: InferenceService, pool: WorkerPool, port: i
         ("grpc.so_reuseport", 0),  # a port already in use must fail here, not be silently shared
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", -1),
+        ("grpc.max_connection_idle_ms", 300_000),  # a connection with no RPC for 5 min is closed (GOAWAY)
     ])
     servicer = InferenceServicer(service, pool, guard)
     health = _ReadinessHealth(servicer)

@@ -8,12 +8,14 @@ Inference (`InferenceGuard`), when a key file is configured:
     Without a key file every request is admitted (the embedded default; the app logs a warning).
 
 Admin (`AdminGuard`): /admin/*, /dashboard, /api/pools, /api/cluster.
-    reads, when `loopback_reads` is on and the client is on this machine (127/8, ::1) -> allowed
-    admin token configured  -> every other admin call needs `Authorization: Bearer <token>` (401)
-    no admin token          -> 403 admin_disabled (writes always; reads from elsewhere)
-`loopback_reads` is meant for a frontend bound to loopback only (`kvyard up`, or `kvyard frontend`
-on 127.0.0.1 without a token). Keep it off behind a reverse proxy on the same host: the proxy's
-connections come from 127.0.0.1.
+    admin token configured  -> every admin call, from anywhere (loopback included), needs
+                               `Authorization: Bearer <token>` (401 otherwise)
+    no admin token          -> reads allowed when `loopback_reads` is on and the client is on this
+                               machine (127/8, ::1); everything else 403 admin_disabled
+`loopback_reads` is meant for a frontend bound to loopback only (`kvyard frontend` on 127.0.0.1
+without a token). Keep it off behind a reverse proxy on the same host: the proxy's connections come
+from 127.0.0.1. A web page cannot use it through DNS rebinding: the Host check of
+orchestrator/security/origin.py refuses a request that names another host.
 """
 
 from __future__ import annotations
@@ -113,9 +115,8 @@ class AdminGuard:
         self.metrics = metrics
 
     def describe(self) -> str:
-        local = " (reads from this machine's loopback need none)" if self.loopback_reads else ""
         if self.token:
-            return f"admin surfaces (/admin, /dashboard, /api/*) need the admin bearer token{local}"
+            return "admin surfaces (/admin, /dashboard, /api/*) need the admin bearer token, from every client"
         if self.loopback_reads:
             return ("no admin token: /dashboard and /api/* are readable from this machine only (loopback clients); "
                     "/admin writes are disabled (set KVYARD_ADMIN_TOKEN to enable them)")
@@ -123,7 +124,7 @@ class AdminGuard:
 
     def check(self, headers: Mapping[str, str], client_host: str | None, *, write: bool) -> str:
         """The actor ("admin" or "loopback") or raise 401/403."""
-        if not write and self.loopback_reads and is_loopback(client_host):
+        if not write and self.loopback_reads and self.token is None and is_loopback(client_host):
             return "loopback"
         if self.token is None:
             self._failed("disabled")

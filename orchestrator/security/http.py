@@ -14,11 +14,23 @@ from collections.abc import Callable
 
 from starlette.requests import ClientDisconnect, Request
 
-from orchestrator.errors import BadRequestError, PayloadTooLargeError
+from orchestrator.errors import BadRequestError, PayloadTooLargeError, UnsupportedMediaTypeError
 from orchestrator.security.guards import InferenceGuard
 from orchestrator.security.ratelimit import Grant, estimate_tokens
 
-__all__ = ["authorize_inference", "read_body", "replay"]
+__all__ = ["authorize_inference", "read_body", "replay", "require_json"]
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is declared JSON (application/json or application/*+json, any parameters).
+
+    A browser sends text/plain, form and multipart bodies cross-origin without a CORS preflight; requiring
+    JSON makes a cross-site page's POST either preflighted (and refused: kvyard sends no CORS headers) or
+    refused here, before any work."""
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):
+        raise UnsupportedMediaTypeError(f"the request body must be JSON (Content-Type: application/json); got "
+                                        f"{ctype[:100] or 'no Content-Type'}")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -85,7 +85,7 @@ async def test_limits_hold_across_two_apps(tmp_path, prefix):
         async with apps[0].router.lifespan_context(apps[0]), apps[1].router.lifespan_context(apps[1]):
             for app in apps:
                 await app.state.pool.refresh()
-                clients.append(httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard"))
+                clients.append(httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"))
             h = {"authorization": f"Bearer {key}"}
             body = {"model": "m", "prompt": "hi", "max_tokens": 2}
             codes = [(await c.post("/v1/completions", json=body, headers=h)).status_code for c in (clients[0], clients[1], clients[0], clients[1])]

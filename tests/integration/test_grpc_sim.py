@@ -65,7 +65,7 @@ async def stack(sim_url):
     port = free_port()
     app = create_app(FrontendConfig(grpc_port=port), disc)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard", timeout=60) as http:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=60) as http:
             client = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
             try:
                 yield http, client, port, app

@@ -295,7 +295,7 @@ async def test_continuation_is_exact_on_a_real_engine(engine, kind):
     with BreakingProxy(engine.url, after=6) as proxy:
         await disc.register(info("a", proxy.url), ttl_s=600)
         async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard", timeout=120) as client:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=120) as client:
                 call = asyncio.create_task(client.post(path, json=body))
                 while proxy.relayed < 6:
                     await asyncio.sleep(0.02)

@@ -148,7 +148,7 @@ def client(engine):
     loop = asyncio.new_event_loop()
     ctx = app.router.lifespan_context(app)
     loop.run_until_complete(ctx.__aenter__())
-    c = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard", timeout=30)
+    c = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=30)
     yield loop, c
     loop.run_until_complete(c.aclose())
     loop.run_until_complete(ctx.__aexit__(None, None, None))

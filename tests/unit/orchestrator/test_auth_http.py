@@ -50,7 +50,7 @@ async def _stack(cfg: FrontendConfig, client_addr=("127.0.0.1", 5000)):
     app = create_app(cfg, disc)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, client=client_addr)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvyard") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             yield Stack(app, client, disc)
 
 
@@ -132,7 +132,7 @@ async def test_tokens_per_minute_counts_prompt_and_max_tokens(tmp_path):
             assert r.status_code == 200 and "[DONE]" in r.text
             err = openai_error(await s.client.post("/v1/completions", json=BODY, headers=h), 429, "rate_limit_exceeded")
             assert "tokens per minute" in err["message"]
-            r = await s.client.post("/v1/completions", content=b"x" * 5000, headers=h)  # the bounded read still says 413
+            r = await s.client.post("/v1/completions", content=b"x" * 5000, headers={**h, "content-type": "application/json"})  # the bounded read still says 413
             openai_error(r, 413, "payload_too_large")
 
 

@@ -28,7 +28,7 @@ async def test_no_workers_known_is_503_then_404_for_a_wrong_name():
     disc = Unreachable()
     app = create_app(FrontendConfig(refresh_interval_s=60, retry_after_s=2), disc)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard") as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
             r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"] == "2" and r.json()["error"]["message"]
             with FakeEngine() as eng:

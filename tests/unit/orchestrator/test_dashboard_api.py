@@ -23,7 +23,7 @@ async def test_pools_endpoint_reads_telemetry_targets_and_decisions():
     await store.write(TelemetryBatch(buckets={(PoolKey("m", "both"), b.start): b}))
     await store.append_decision({"tick": 1, "at": time.time(), "targets_version": 1, "reason": "r", "pools": []})
     await app.state.targets.put(parse_targets({"pools": [{"model": "m", "ttft_p90_ms": 250}, {"model": "idle"}], "gpu_budget": 4}))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
         for headers in ({}, {"authorization": "Bearer wrong"}):
             r = await c.get("/api/pools?window=600", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"

@@ -59,7 +59,7 @@ async def stack(request):
     disc = InMemoryDiscovery()
     app = create_app(FrontendConfig(refresh_interval_s=60, retry_after_s=2, disagg=disagg), disc)
     async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard", timeout=20) as client:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=20) as client:
             yield Stack(app, client, disc)
 
 

@@ -30,7 +30,7 @@ async def frontend():
     app = create_app(cfg, disc)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvyard") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             client.refresh = app.state.pool.refresh
             yield client, disc
 

@@ -41,7 +41,7 @@ async def frontend(request):
     app = create_app(cfg, disc)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kvyard", timeout=30) as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=30) as client:
             client.app = app
             yield client, disc
 

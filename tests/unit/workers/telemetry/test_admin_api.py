@@ -19,7 +19,7 @@ def client(token: str | None = TOKEN) -> httpx.AsyncClient:
     tel = InMemoryTelemetryStore()
     app.include_router(make_admin_router(InMemoryTargetsStore(), token, tel))
     app.state.tel = tel
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1")
 
 
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer nope"}, {"authorization": f"Basic {TOKEN}"}])
