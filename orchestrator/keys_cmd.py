@@ -6,15 +6,19 @@
     kvyard keys set-limits <id> [--rpm N|none] [--tpm N|none]
 
 The file is --file, else $KVYARD_API_KEYS_FILE, else .kvyard/api-keys.yaml; it is written atomically,
-mode 0600, and a running frontend (--api-keys-file) picks changes up without a restart.
+mode 0600, and a running frontend (--api-keys-file) picks changes up without a restart. Every change
+(create, revoke, set-limits) reads, edits and writes the file under an exclusive lock (flock on
+`.<name>.lock` beside it), so concurrent commands never lose a key or undo a revocation.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from orchestrator.security.keys import KeyFile, KeyFileError, generate_key, load_key_file, save_key_file
@@ -62,8 +66,28 @@ def _open(path: Path, create: bool) -> KeyFile:
     return load_key_file(path)
 
 
+@contextmanager
+def _locked(path: Path, exclusive: bool):
+    """An advisory lock for a read-modify-write of the key file (a no-op for reads: writes are atomic renames)."""
+    if not exclusive:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def run_keys_command(ns: argparse.Namespace) -> int:
     path = ns.file or default_keys_file()
+    with _locked(path, exclusive=ns.keys_command != "list"):
+        return _run(ns, path)
+
+
+def _run(ns: argparse.Namespace, path: Path) -> int:
     try:
         kf = _open(path, create=ns.keys_command == "create")
         if ns.keys_command == "create":
