@@ -5,7 +5,7 @@ not matter).
     key   <prefix>:ratelimit:<key id>   hash {rl, rlim, tl, tlim, at}: levels, limits, last update
     TTL   until both buckets would be full again, plus a minute (an idle key costs nothing)
 
-If Redis cannot be reached the request is charged to an in-process RateLimiter instead (a warning at
+If Redis cannot be reached (or refuses the script) the request is charged to an in-process RateLimiter instead (a warning at
 most every 30 s): during an outage each frontend enforces the limit on its own, and serving goes on.
 """
 
@@ -75,7 +75,7 @@ class RedisRateLimiter:
         try:
             verdict, wait, rl, tl = await self._script(keys=[f"{self.prefix}:ratelimit:{p.key_id}"],
                                                        args=[p.rpm or 0, p.tpm or 0, max(0, int(tokens))])
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        except (redis.exceptions.RedisError, OSError) as exc:  # down, or refusing (e.g. an ACL without a command)
             now = time.monotonic()
             if now - self._warned_at > 30:
                 self._warned_at = now

@@ -1,5 +1,5 @@
 """`kvyard up` with API keys, end to end over real processes: the generated admin token printed in the
-dashboard URL, reads from this machine open, writes needing the token, inference needing a key, and
+dashboard URL and needed for every admin read and write (from this machine too), inference needing a key, and
 `kvyard keys revoke` taking effect on the running frontend without a restart. No key in the output."""
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ def test_up_with_keys_and_generated_admin_token(tmp_path):
         assert "(API keys required)" in out.read_text()
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=url, timeout=30) as c:
-            assert c.get("/api/cluster").status_code == 200  # reads from this machine need no token under `kvyard up`
-            assert c.get("/dashboard").status_code == 200
+            assert c.get("/api/cluster").status_code == 401  # a token is set: reads from this machine need it too
+            assert c.get("/api/cluster", headers={"authorization": f"Bearer {token}"}).status_code == 200
+            assert c.get("/dashboard").status_code == 200  # the page (no data) loads; its scripts send the token
             body = {"pools": [{"model": "kvyard-sim", "role": "both", "min_replicas": 1, "max_replicas": 2}]}
             assert c.put("/admin/targets", json=body).status_code == 401
             assert c.put("/admin/targets", json=body, headers={"authorization": f"Bearer {token}"}).status_code == 200

@@ -23,6 +23,7 @@ import time
 import httpx
 import pytest
 
+from tests.integration.up_admin import ADMIN_HEADERS, admin_env
 from tests.unit.orchestrator.fake_engine import free_port
 from workers.vllm.metrics import parse_vllm_metrics
 
@@ -53,9 +54,9 @@ async def start(tmp_path, flavor: str, *extra: str) -> Cluster:
     log = open(tmp_path / "up.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--prefill-workers", "1", "--decode-workers", "1", "--flavor", flavor,
                              "--port", str(port), "--grpc-port", "0", "--base-port", str(base), "--speedup", "4", *extra],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=admin_env())
     url = f"http://127.0.0.1:{port}"
-    client = httpx.AsyncClient(timeout=60)
+    client = httpx.AsyncClient(timeout=60, headers=ADMIN_HEADERS)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:

@@ -39,6 +39,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import build_tiny_model, free_port, vllm_python_or_fail
+from tests.integration.up_admin import ADMIN_HEADERS, admin_env
 from workers.process import cpus_but_first
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
@@ -81,7 +82,7 @@ def _wait_ready(url: str, procs: list[subprocess.Popen], tmp: Path) -> dict[str,
         if any(p.poll() is not None for p in procs):
             raise StackExited(_logs(tmp))
         try:
-            body = httpx.get(url + "/api/cluster", timeout=5).json()
+            body = httpx.get(url + "/api/cluster", timeout=5, headers=ADMIN_HEADERS).json()
             ready = {w["role"]: w["url"] for w in body["workers"] if w["state"] == "ready"}
             if sorted(ready) == ["decode", "prefill"] and len(body["workers"]) == 2:
                 return ready
@@ -100,7 +101,8 @@ def _start(connector: str, python: str, tiny: Path, redis_url: str, tmp: Path) -
 
     def spawn(name: str, args: list[str]) -> None:
         procs.append(subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "info", *args],
-                                      stdout=open(tmp / f"{name}.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp))
+                                      stdout=open(tmp / f"{name}.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp,
+                                      env=admin_env()))
 
     disagg = ["--disagg-mode", "always", "--enforce-disagg"]
     if connector == "nixl":

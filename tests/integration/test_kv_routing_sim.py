@@ -16,6 +16,7 @@ from collections import Counter
 import httpx
 import pytest
 
+from tests.integration.up_admin import ADMIN_HEADERS, admin_env
 from tests.unit.orchestrator.fake_engine import free_port
 from workers.vllm.metrics import parse_vllm_metrics
 
@@ -27,10 +28,10 @@ async def stack(tmp_path):
     port, base = free_port(), free_port() + 200
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--workers", "4", "--port", str(port), "--grpc-port", "0",
                              "--base-port", str(base), "--policy", "kv", "--speedup", "2"],
-                            stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp_path)
+                            stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp_path, env=admin_env())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=ADMIN_HEADERS) as client:
         while time.monotonic() < deadline:
             try:
                 body = (await client.get(url + "/api/cluster")).json()

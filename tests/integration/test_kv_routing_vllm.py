@@ -34,6 +34,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import build_tiny_model, free_port, vllm_python_or_fail
+from tests.integration.up_admin import ADMIN_HEADERS, admin_env
 from workers.vllm.metrics import parse_vllm_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -79,7 +80,7 @@ def start_up(tiny: Path, tmp: Path) -> tuple[subprocess.Popen, str, int, Path]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "up", "--backend", "vllm", "--model", str(tiny), "--workers", "2",
          "--port", str(port), "--grpc-port", "0", "--base-port", str(base), "--policy", "kv"],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=tmp,
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=tmp, env=admin_env(),
     )  # fmt: skip
     return proc, f"http://127.0.0.1:{port}", base, log
 
@@ -106,7 +107,7 @@ def cluster(tmp_path_factory) -> Iterator[Stack]:
             if proc.poll() is not None:
                 break
             try:
-                body = httpx.get(url + "/api/cluster", timeout=5).json()
+                body = httpx.get(url + "/api/cluster", timeout=5, headers=ADMIN_HEADERS).json()
                 engines = {w["worker_id"]: w["url"] for w in body["workers"] if w["state"] == "ready"}
                 if len(engines) == 2:
                     break
@@ -128,7 +129,7 @@ def cluster(tmp_path_factory) -> Iterator[Stack]:
 
 @pytest.fixture
 async def stack(cluster: Stack) -> AsyncIterator[Stack]:
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, headers=ADMIN_HEADERS) as client:
         yield Stack(cluster.url, cluster.engines, client)
 
 

@@ -1,6 +1,6 @@
 """Several frontends over the same Redis-discovered workers converge to the same KV index.
 
-Three `kvyard worker` processes (sim engines, KV events on TCP) and two `kvyard frontend` processes
+Three `kvyard worker` processes (sim engines) and two `kvyard frontend` processes
 (policy kv) share one Redis discovery prefix. Traffic goes through frontend A only; frontend B learns
 the cache contents from the workers' KV events alone, so:
 
