@@ -71,7 +71,8 @@ def _app(engine: FakeEngine):
     info = WorkerInfo(worker_id="a", model="m", backend="sim", url=engine.url, block_size=16, max_model_len=256,
                       tokenizer=str(SIM_TOKENIZER_DIR))
     asyncio.run(disc.register(info, ttl_s=3600))  # before the lifespan: the pool's first refresh sees it
-    cfg = FrontendConfig(max_body_bytes=64 * 1024, refresh_interval_s=60, admin_token=ADMIN_TOKEN)
+    # schemathesis calls the app as http://testserver: a host this test allows (the Host check is tested in test_hostile.py)
+    cfg = FrontendConfig(max_body_bytes=64 * 1024, refresh_interval_s=60, admin_token=ADMIN_TOKEN, allowed_hosts=["127.0.0.1", "testserver"])
     return create_app(cfg, disc)
 
 
