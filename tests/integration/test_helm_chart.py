@@ -74,8 +74,10 @@ def _load(path: Path) -> dict:
     return yaml.safe_load(path.read_text()) or {}
 
 
+REDIS_AUTH = {"redis": {"auth": {"password": "redis-password-0123456789"}}}  # the one value a bundled Redis requires
+
 VALUE_SETS: dict[str, dict] = {
-    "default": {},
+    "default": REDIS_AUTH,
     "external-redis-secret": _load(EXAMPLES / "values-external-redis.yaml"),
     "external-redis-url": {"redis": {"bundled": False, "external": {"url": "rediss://:s3cret@redis.example:6380/2"}},
                            "planner": {"enabled": False}, "grafana": {"dashboard": {"enabled": False}}},
@@ -83,7 +85,7 @@ VALUE_SETS: dict[str, dict] = {
     "sim-only": _load(EXAMPLES / "values-sim.yaml"),
     "all-backends": _load(HELPERS / "values-all-backends.yaml"),
     # TLS from a cert-manager style Secret; API keys and admin token from the operator's own Secret
-    "tls-existing-auth": {"tls": {"enabled": True, "existingSecret": "kvyard-tls"},
+    "tls-existing-auth": {"redis": {"auth": {"existingSecret": "kvyard-redis-auth"}}, "tls": {"enabled": True, "existingSecret": "kvyard-tls"},
                           "auth": {"existingSecret": "kvyard-credentials", "apiKeysRequired": True},
                           "frontend": {"grpc": {"enabled": True}}},
 }
@@ -159,7 +161,7 @@ def test_every_manifest_validates_strictly(kv: Any, rendered: dict[str, list[dic
 
 def test_kubernetes_validate_cli_accepts_the_default_render(helm: Any, kv: Any, tmp_path: Path) -> None:
     out = tmp_path / "kvyard.yaml"
-    out.write_text("\n---\n".join(yaml.safe_dump(d, sort_keys=False) for d in docs(render(helm, {}))))
+    out.write_text("\n---\n".join(yaml.safe_dump(d, sort_keys=False) for d in docs(render(helm, REDIS_AUTH))))
     proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.33.0", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -239,6 +241,8 @@ BAD_VALUES = {
     "api-key-bad-hash": ("auth: {apiKeys: [{id: 0123456789ab, hash: 'md5:abc'}]}", ["/auth/apiKeys/0/hash", "does not match pattern"]),
     "api-key-zero-rpm": ("auth: {apiKeys: [{id: 0123456789ab, hash: 'sha256:" + "0" * 64 + "', rpm: 0}]}",
                          ["/auth/apiKeys/0/rpm", "minimum"]),
+    "bundled-redis-without-password": ("logLevel: info", ["kvyard: the bundled Redis needs a password"]),
+    "short-redis-password": ("redis: {auth: {password: short}}", ["/redis/auth/password"]),
     "tls-without-secret": ("tls: {enabled: true}", ["kvyard: tls.enabled needs tls.existingSecret"]),
     "unknown-tls-key": ("tls: {enabled: true, certificate: abc}", ["/tls", "'certificate' not allowed"]),
     "http-and-grpc-same-port": ("frontend: {httpPort: 8000, grpc: {port: 8000}}", ["kvyard: frontend.httpPort and frontend.grpc.port"]),
@@ -460,9 +464,48 @@ def test_redis_bundled_or_external(rendered: dict[str, list[dict]]) -> None:
     assert "--appendonly" in c["args"] and c["args"][c["args"].index("--save") + 1] == ""
     assert c["livenessProbe"]["exec"] and c["readinessProbe"]["exec"] and c["resources"]["limits"]["memory"]
     assert one(objs, "Service", "demo-kvyard-redis")["spec"]["ports"][0]["port"] == 6379
+    # a password from the Secret (expanded by the kubelet, in no manifest), no eviction of state that must stay
+    assert c["args"][c["args"].index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert c["args"][c["args"].index("--maxmemory-policy") + 1] == "noeviction" and "allkeys-lru" not in c["args"]
+    ref = {"name": "demo-kvyard-redis-auth", "key": "redis-password"}
+    assert env_of(c)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == ref and env_of(c)["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == ref
+    secret = one(objs, "Secret", "demo-kvyard-redis-auth")
+    assert base64.b64decode(secret["data"]["redis-password"]).decode() == "redis-password-0123456789"
     for dep in find(objs, "Deployment"):
         if dep["metadata"]["name"] != "demo-kvyard-redis":
-            assert env_of(container(dep))["KVYARD_REDIS_URL"] == {"name": "KVYARD_REDIS_URL", "value": "redis://demo-kvyard-redis:6379/0"}
+            env = [e for e in container(dep)["env"] if e["name"] in ("KVYARD_REDIS_PASSWORD", "KVYARD_REDIS_URL")]
+            assert env == [{"name": "KVYARD_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": ref}},  # defined first: the URL uses it
+                           {"name": "KVYARD_REDIS_URL", "value": "redis://:$(KVYARD_REDIS_PASSWORD)@demo-kvyard-redis:6379/0"}]
+    assert "redis-password-0123456789" not in yaml.safe_dump_all([o for o in objs if o["kind"] != "Secret"])
+    # only this release's kvyard pods reach it
+    pol = one(objs, "NetworkPolicy", "demo-kvyard-redis")
+    assert pol["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
+    (rule,) = pol["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvyard", "app.kubernetes.io/instance": "demo"}}}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+    for dep in find(objs, "Deployment"):  # every kvyard pod matches the policy's peer selector
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "kvyard" and labels["app.kubernetes.io/instance"] == "demo"
+    extra = one(rendered["all-backends"], "NetworkPolicy", "kv-redis")["spec"]["ingress"][0]["from"]
+    assert extra[1] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    # the examples take the password from an existing Secret
+    sim = container(one(rendered["sim-only"], "Deployment", "demo-kvyard-redis"))
+    assert env_of(sim)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "kvyard-redis-auth", "key": "redis-password"}
+    assert not find(rendered["sim-only"], "Secret", "demo-kvyard-redis-auth")
+
+
+def test_registry_signing_secret_reaches_every_kvyard_pod(rendered: dict[str, list[dict]]) -> None:
+    objs = rendered["all-backends"]
+    secret = one(objs, "Secret", "kv-registry")
+    assert base64.b64decode(secret["data"]["registry-secret"]).decode() == "registry-signing-secret-0123456789"
+    deps = [d for d in find(objs, "Deployment") if d["metadata"]["name"] != "kv-redis"]
+    assert len(deps) > 3
+    for dep in deps:
+        ref = env_of(container(dep))["KVYARD_REGISTRY_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "kv-registry", "key": "registry-secret"}, dep["metadata"]["name"]
+    ex = env_of(container(one(rendered["vllm-disagg-gpu"], "Deployment", "demo-kvyard-frontend")))
+    assert ex["KVYARD_REGISTRY_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": "kvyard-cluster", "key": "registry-secret"}
+    assert "KVYARD_REGISTRY_SECRET" not in env_of(container(one(rendered["default"], "Deployment", "demo-kvyard-frontend")))
 
     ext = rendered["external-redis-url"]
     assert not find(ext, "Deployment", "demo-kvyard-redis") and not find(ext, "Service", "demo-kvyard-redis")
@@ -517,7 +560,7 @@ def test_auth_secret(rendered: dict[str, list[dict]]) -> None:
 
 def test_tls_and_keys_from_existing_secrets(rendered: dict[str, list[dict]]) -> None:
     objs = rendered["tls-existing-auth"]
-    assert not find(objs, "Secret")  # both Secrets are the operator's
+    assert not find(objs, "Secret")  # every Secret is the operator's
     dep = one(objs, "Deployment", "demo-kvyard-frontend")
     c = container(dep)
     assert {"--tls-cert=/etc/kvyard/tls/tls.crt", "--tls-key=/etc/kvyard/tls/tls.key",
@@ -566,11 +609,11 @@ def test_labels_names_and_no_hardcoded_namespace(rendered: dict[str, list[dict]]
 
 
 def test_release_name_and_namespace_flow_through(helm: Any) -> None:
-    objs = docs(render(helm, {}, name="kvyard", namespace="team-a"))
+    objs = docs(render(helm, REDIS_AUTH, name="kvyard", namespace="team-a"))
     assert one(objs, "Deployment", "kvyard-frontend")  # release named like the chart: no "kvyard-kvyard"
     (binding,) = find(objs, "RoleBinding")
     assert binding["subjects"][0]["namespace"] == "team-a"
-    long = docs(render(helm, {}, name="a-very-long-release-name-for-a-production-cluster-x"))
+    long = docs(render(helm, REDIS_AUTH, name="a-very-long-release-name-for-a-production-cluster-x"))
     assert all(len(o["metadata"]["name"]) <= 63 for o in long)
 
 

@@ -78,11 +78,33 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-redis" (include "kvyard.fullname" .) }}
 {{- end }}
 
-{{/* The KVYARD_REDIS_URL env var: a literal for the bundled Redis, a Secret reference otherwise. */}}
+{{/* The Secret holding the bundled Redis password, and its key. */}}
+{{- define "kvyard.redisAuthSecret" -}}
+{{- default (printf "%s-redis-auth" (include "kvyard.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{- define "kvyard.redisAuthKey" -}}
+{{- if .Values.redis.auth.existingSecret }}{{ .Values.redis.auth.existingSecretKey }}{{ else }}redis-password{{ end }}
+{{- end }}
+
+{{/* The registry signing secret's Secret and key; "" when entries are not signed. */}}
+{{- define "kvyard.registrySecret" -}}
+{{- if .Values.registry.existingSecret }}{{ .Values.registry.existingSecret }}{{ else if .Values.registry.signingSecret }}{{ printf "%s-registry" (include "kvyard.fullname" .) }}{{ end }}
+{{- end }}
+
+{{/* The KVYARD_REDIS_URL env var: built for the bundled Redis (its password from its Secret, expanded by the
+kubelet: the password appears in no manifest), a Secret reference otherwise. */}}
 {{- define "kvyard.redisEnv" -}}
+{{- if and .Values.redis.bundled .Values.redis.auth.enabled }}
+- name: KVYARD_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvyard.redisAuthSecret" . }}
+      key: {{ include "kvyard.redisAuthKey" . }}
+{{- end }}
 - name: KVYARD_REDIS_URL
 {{- if .Values.redis.bundled }}
-  value: {{ printf "redis://%s:%d/%d" (include "kvyard.redisHost" .) (int .Values.redis.port) (int .Values.redis.database) | quote }}
+  value: {{ printf "redis://%s%s:%d/%d" (ternary ":$(KVYARD_REDIS_PASSWORD)@" "" .Values.redis.auth.enabled) (include "kvyard.redisHost" .) (int .Values.redis.port) (int .Values.redis.database) | quote }}
 {{- else if .Values.redis.external.existingSecret }}
   valueFrom:
     secretKeyRef:
@@ -115,6 +137,13 @@ app.kubernetes.io/component: {{ .component }}
 - name: HOME
   value: /tmp
 {{ include "kvyard.redisEnv" . }}
+{{- with include "kvyard.registrySecret" . }}
+- name: KVYARD_REGISTRY_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ if $.Values.registry.existingSecret }}{{ $.Values.registry.existingSecretKey }}{{ else }}registry-secret{{ end }}
+{{- end }}
 {{- end }}
 
 {{/* Pool Deployment name. Call with (dict "root" $ "pool" $pool). */}}
@@ -212,5 +241,8 @@ rules the schema cannot express, failing with a "kvyard:" message.
 {{- end }}
 {{- if eq (int .Values.frontend.httpPort) (int .Values.frontend.grpc.port) }}
 {{- fail "kvyard: frontend.httpPort and frontend.grpc.port must differ" }}
+{{- end }}
+{{- if and .Values.redis.bundled .Values.redis.auth.enabled (not .Values.redis.auth.password) (not .Values.redis.auth.existingSecret) }}
+{{- fail "kvyard: the bundled Redis needs a password: set redis.auth.password (16+ URL-safe characters, e.g. `openssl rand -hex 24`) or redis.auth.existingSecret" }}
 {{- end }}
 {{- end }}
