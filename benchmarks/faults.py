@@ -1,4 +1,6 @@
-"""Fault injection under load: workers SIGKILLed and restarted, Redis killed and restarted, frontends killed.
+"""Fault injection under load: workers SIGKILLed and restarted, Redis killed and restarted, frontends killed,
+an engine that hangs (accepts connections, never answers), an engine SIGSTOPped under a live worker, and bad
+registry entries (garbage over a live worker's entry, a signed entry with block_size 0, an unsigned forged one).
 
     python -m benchmarks.faults                        # the recorded run (~3 minutes)
     python -m benchmarks.faults --time-scale 0.5 --out /tmp/faults-smoke
@@ -19,7 +21,11 @@ Each request ends as exactly one of:
                  silent loss, must be 0
   hung           no end within the deadline: must be 0
 Migrations and engine retries come from the frontends' /metrics (kvyard_migrations_total by outcome,
-kvyard_engine_retries_total), summed over every frontend process. Writes {out}.json and {out}.md.
+kvyard_engine_retries_total), summed over every frontend process. For the hung and SIGSTOPped engines the
+time until each frontend took them out of routing (gone from its view, or its breaker open) is recorded, and
+for the bad registry entries whether any frontend listed one and how long the overwritten worker took to heal
+(benchmarks/fault_probes.py). The cluster signs its registry entries (KVYARD_REGISTRY_SECRET, generated per
+run). Writes {out}.json and {out}.md.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -39,6 +46,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.fault_probes import BlackHole, RoutingWatch, heal_time, plant_bad_entries, stop_engine, worker_id_at
 from benchmarks.procs import KvyardCluster, RedisServer, free_port
 
 MODEL = "faults"
@@ -54,8 +62,11 @@ SCHEDULE = [
     (100, "restart_redis", None), (100, "kill_worker", "worker2"), (110, "start_worker", "worker2"),
     (120, "kill_frontend", "fe2"), (125, "start_frontend", "fe2"),
     (135, "kill_worker", "worker3"), (135, "kill_worker", "worker0"), (145, "start_worker", "worker3"), (145, "start_worker", "worker0"),
+    (160, "hang_engine", "blackhole"), (185, "unhang_engine", "blackhole"),
+    (170, "sigstop_engine", "worker1"), (190, "sigcont_engine", "worker1"),
+    (200, "bad_registry", "worker2"),
 ]
-LOAD_END = 160
+LOAD_END = 220
 
 
 @dataclass
@@ -82,6 +93,10 @@ class Rig:
         self.killing: dict[str, float] = {}  # frontend -> time it was SIGKILLed (streams cut then are expected)
         self.events: list[dict] = []
         self.metrics: dict[tuple[str, int], dict[str, float]] = {}  # (frontend, start#) -> last counters seen
+        self.routing = RoutingWatch({fe: self.url(fe) for fe in self.ports})
+        self.blackhole: BlackHole | None = None
+        self.planted: dict[str, str] = {}
+        self.healing: asyncio.Task | None = None  # -> seconds until the overwritten entry was rewritten by its worker
 
     def start(self) -> None:
         self.redis.start()
@@ -103,10 +118,43 @@ class Rig:
     def url(self, fe: str) -> str:
         return f"http://127.0.0.1:{self.ports[fe]}"
 
-    def act(self, action: str, target: str | None, t0: float) -> None:
+    async def worker_id(self, session: aiohttp.ClientSession, name: str) -> str | None:
+        for fe in self.ports:
+            try:
+                async with session.get(self.url(fe) + "/api/cluster", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    wid = worker_id_at(await r.json(), self.cluster.engine_ports[name])
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                continue
+            if wid:
+                return wid
+        return None
+
+    async def act(self, action: str, target: str | None, t0: float, session: aiohttp.ClientSession) -> None:
         self.events.append({"t": round(time.time() - t0, 2), "action": action, "target": target})
         print(f"t={time.time() - t0:6.1f}s {action} {target or ''}", flush=True)
-        if action == "kill_worker":
+        c = self.cluster
+        if action == "hang_engine":
+            self.blackhole = BlackHole(self.redis.url, c.prefix, MODEL, os.environ.get("KVYARD_REGISTRY_SECRET"), self.args.lease_ttl)
+            await self.blackhole.start()
+            self.routing.watch("hung engine (accepts, never answers)", self.blackhole.worker_id)
+        elif action == "unhang_engine":
+            await self.blackhole.stop()
+        elif action in ("sigstop_engine", "sigcont_engine"):
+            wid = await self.worker_id(session, target)
+            stop_engine(c.workers[target].proc.pid, signal.SIGSTOP if action == "sigstop_engine" else signal.SIGCONT)
+            if action == "sigstop_engine":
+                if wid is None:
+                    print(f"  {target} is in no frontend's view: its SIGSTOP is not timed", flush=True)
+                else:
+                    self.routing.watch("SIGSTOPped engine (worker alive)", wid)
+        elif action == "bad_registry":
+            victim = await self.worker_id(session, target)
+            self.planted = await plant_bad_entries(self.redis.url, c.prefix, MODEL, os.environ.get("KVYARD_REGISTRY_SECRET"), victim)
+            for wid, what in self.planted.items():
+                self.routing.watch(what, wid)
+            if victim:
+                self.healing = asyncio.create_task(heal_time(self.redis.url, c.prefix, victim))
+        elif action == "kill_worker":
             self.cluster.workers[target].kill()
         elif action == "start_worker":
             self.start_worker(target)
@@ -228,6 +276,7 @@ async def load_loop(k: int, session, rig: Rig, tally: Tally, stop: asyncio.Event
 
 
 async def amain(args) -> dict:
+    os.environ["KVYARD_REGISTRY_SECRET"] = secrets.token_hex(24)  # the children inherit it: a signed registry
     tmp = Path(tempfile.mkdtemp(prefix="kvyard-faults-"))
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # clean up the children
     rig = Rig(args, tmp)
@@ -249,10 +298,11 @@ async def amain(args) -> dict:
                 now = time.time() - t0
                 while pending and pending[0][0] <= now:
                     _, action, target = pending.pop(0)
-                    rig.act(action, target, t0)
+                    await rig.act(action, target, t0, session)
                 if time.time() >= next_scrape:
                     await rig.scrape(session)
                     next_scrape = time.time() + 1.0
+                await rig.routing.poll(session)
                 await asyncio.sleep(0.1)
             stop.set()
             await asyncio.wait(tasks, timeout=args.deadline + 10)
@@ -263,6 +313,11 @@ async def amain(args) -> dict:
         duration = time.time() - t0
         alive = {n: c.alive() for n, c in [*rig.cluster.workers.items(), *rig.cluster.frontends.items()]}
     finally:
+        if rig.blackhole is not None and rig.blackhole._task is not None and not rig.blackhole._task.done():
+            await rig.blackhole.stop()
+        for w in rig.cluster.workers.values():  # never leave a stopped engine behind
+            if w.alive():
+                stop_engine(w.proc.pid, signal.SIGCONT)
         rig.stop()
     total = sum(tally.outcomes.values())
     counters = rig.counters()
@@ -272,7 +327,10 @@ async def amain(args) -> dict:
             "config": {k: v for k, v in vars(args).items() if k != "out"},
             "requests": total, "outcomes": tally.outcomes, "details": tally.details, "client_failovers": tally.client_failovers,
             "frontend_counters": counters, "faults": rig.events, "processes_alive_at_end": alive,
-            "verdict": {"hung": tally.outcomes["hung"] == 0, "truncated": tally.outcomes["truncated"] == 0},
+            "routing_watch": rig.routing.report(), "planted": rig.planted, "overwritten_entry_healed_s": rig.healing.result() if rig.healing and rig.healing.done() else None,
+            "verdict": {"hung": tally.outcomes["hung"] == 0, "truncated": tally.outcomes["truncated"] == 0,
+                        "bad_entries_never_routable": all(not w["listed"] for lbl, w in rig.routing.report().items()
+                                                          if "overwritten" not in lbl and lbl in rig.planted.values())},
             "completed_per_second": completed_per_second(tally.records),
             "not_completed": [r for r in tally.records if r["outcome"] != "completed"]}
 
@@ -307,9 +365,21 @@ def write_report(out: dict, path: Path) -> None:
               f"- Hung: **{o['hung']}**; truncated without an error (silent loss): **{o['truncated']}**.", "",
               "Outcome details:", ""]
     lines += [f"- {k}: {v}" for k, v in sorted(out["details"].items())]
+    lines += ["", "Hung, stopped and bad workers, per frontend: first `listed` in its view, first `routable` (listed, breaker "
+              "closed), `out` of routing after that (gone from its view or breaker open), `back` in routing:", "",
+              "| worker | fault | listed | routable | out | back |", "|---|---|---|---|---|---|"]
+    for label, w in out["routing_watch"].items():
+        cell = lambda d: " / ".join(str(d.get(fe, "-")) for fe in ("fe1", "fe2"))  # noqa: E731
+        lines.append(f"| {w['worker_id']} | {label} | {cell(w['listed'])} | {cell(w['routable'])} | {cell(w['out'])} | {cell(w['back'])} |")
+    lines += ["", f"Times are seconds from the fault, fe1 / fe2. The overwritten entry was rewritten by its worker after "
+              f"{out['overwritten_entry_healed_s']} s (`out`/`back` show whether a frontend refreshed in between)."]
     lines += ["", "Faults injected (seconds from the start of the load):", "", "| t (s) | action | target |", "|---|---|---|"]
     lines += [f"| {e['t']:.1f} | {e['action']} | {e['target'] or ''} |" for e in out["faults"]]
-    lines += ["", "`cut_by_kill` are streams whose frontend process was SIGKILLed while they ran: the client sees the connection reset "
+    lines += ["", "The hung engine is a registered worker whose engine accepts connections and never answers (its lease kept "
+              "renewed, signed); the SIGSTOPped engine's worker process keeps running (it stops renewing once the engine fails "
+              "its health checks). Bad registry entries: a live worker's entry overwritten with garbage (healed by its next "
+              "renewal: `back`), a signed entry with block_size 0 and an unsigned (forged) one (neither may ever be listed).",
+              "", "`cut_by_kill` are streams whose frontend process was SIGKILLed while they ran: the client sees the connection reset "
               "(not a silent loss; an OpenAI client retries it). Workers' SIGKILLs are absorbed by the frontends "
               "(retry before the first token, migration after it); Redis outages by the last known registry."]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -336,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     path.with_suffix(".json").write_text(json.dumps(out, indent=1, default=str))
     write_report(out, path)
     print(path.with_suffix(".md").read_text())
-    return 0 if out["verdict"]["hung"] and out["verdict"]["truncated"] else 1
+    return 0 if all(out["verdict"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -95,7 +95,11 @@ class WorkerSupervisor:
         self.engine.start()
         await self.engine.wait_healthy(self.opts.start_timeout_s)
         self.info = self.build_info()
-        await self.discovery.register(self.info, self.opts.lease_ttl_s)
+        try:
+            await self.discovery.register(self.info, self.opts.lease_ttl_s)
+        except DiscoveryError as exc:  # e.g. Redis restarting: the run loop's first renewal registers it once it answers
+            log.warning("cannot register %s yet (%s); it registers on its first lease renewal", self.worker_id, exc)
+            return self.info
         await self._publish_tokenizer()
         log.info("worker %s registered: %s %s at %s", self.worker_id, self.backend.name, self.info.model, self.info.url)
         return self.info
