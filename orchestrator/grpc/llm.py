@@ -25,7 +25,7 @@ from orchestrator.errors import BadRequestError
 from orchestrator.json_input import load_json
 from orchestrator.grpc.generated import pb
 
-__all__ = ["completion_body", "decode_bytes_tensor", "encode_bytes_tensor", "text_response", "set_param", "params_dict",
+__all__ = ["completion_body", "lenient", "Undecodable", "decode_bytes_tensor", "encode_bytes_tensor", "text_response", "set_param", "params_dict",
            "INPUTS", "OUTPUT", "FINAL_FLAG"]
 
 OUTPUT = "text_output"
@@ -151,8 +151,29 @@ def _sampling(name: str, value: Any, where: str) -> Any:
         raise BadRequestError(f"{where} '{name}': {exc}", param=name) from exc
 
 
+class Undecodable:
+    """A request message protobuf could not parse (e.g. a string field holding invalid UTF-8): the server's lenient
+    deserializer (orchestrator/grpc/server.py) hands this to the servicer, which answers INVALID_ARGUMENT."""
+
+    model_name = model_version = id = ""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # google.protobuf.message.DecodeError, and anything else a bad message raises
+            return Undecodable(f"{type(exc).__name__}: {exc}")
+    return parse
+
+
 def completion_body(req: pb.ModelInferRequest) -> tuple[dict[str, Any], bool, bool]:
     """A KServe request -> (OpenAI /v1/completions body, stream?, prepend the prompt to unary text?)."""
+    if isinstance(req, Undecodable):
+        raise BadRequestError(f"the request message cannot be parsed ({req.why})")
     if not req.model_name:
         raise BadRequestError("model_name is required", param="model")
     found: dict[str, Any] = {}

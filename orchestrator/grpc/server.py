@@ -26,6 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from orchestrator.grpc.generated import POOL, pb_grpc
+from orchestrator.grpc.llm import lenient
 from orchestrator.grpc.servicer import SERVICE_NAME, InferenceServicer
 from orchestrator.pool import WorkerPool
 from orchestrator.security import InferenceGuard, TlsFiles
@@ -49,6 +50,27 @@ for _fd in (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
 
 class GrpcStartError(RuntimeError):
     """The gRPC port could not be bound (in use, or a bad host)."""
+
+
+_INFER = ("ModelInfer", "ModelStreamInfer")  # the RPCs whose servicer reads its request through llm.completion_body
+
+
+class _LenientInference:
+    """Registers the generated inference handlers with lenient request deserializers: a message protobuf cannot parse
+    (invalid UTF-8 in a string field, a truncated buffer) reaches the servicer as `Undecodable` and is answered
+    INVALID_ARGUMENT, instead of gRPC's UNKNOWN "Unexpected DecodeError"."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # replaced below, from the same handlers, once they are known by name
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        handlers = {name: h._replace(request_deserializer=lenient(h.request_deserializer)) if name in _INFER else h
+                    for name, h in handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._server.add_registered_method_handlers(service, handlers)
 
 
 class _ReadinessHealth(health_aio.HealthServicer):
@@ -113,7 +135,7 @@ async def start_grpc_server(service: InferenceService, pool: WorkerPool, port: i
     ])
     servicer = InferenceServicer(service, pool, guard)
     health = _ReadinessHealth(servicer)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, _LenientInference(server))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, REFLECTION_SERVICE), server, pool=POOL)
     address = _address(host, port)

@@ -334,7 +334,9 @@ def inproc():
             return grpc.aio.insecure_channel(f"127.0.0.1:{gport}")
 
         channel = loop.run_until_complete(open_channel())
-        yield loop, client, app, pb_grpc.GRPCInferenceServiceStub(channel)
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stub.channel = channel  # raw calls too (a message protobuf cannot parse)
+        yield loop, client, app, stub
         loop.run_until_complete(channel.close())
         loop.run_until_complete(client.aclose())
         loop.run_until_complete(ctx.__aexit__(None, None, None))
@@ -392,3 +394,15 @@ def test_grpc_parameters_any_json_any_text(inproc, sampling, text, params):
         assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
                               grpc.StatusCode.RESOURCE_EXHAUSTED), (exc.code(), exc.details(), sampling[:200])
         assert _errors_counted(app) == before + 1
+
+
+def test_grpc_unparsable_message_is_invalid_argument(inproc):
+    loop, _, app, stub = inproc
+    raw = pb.ModelInferRequest(model_name="mXm").SerializeToString().replace(b"mXm", b"m\xffm")  # invalid UTF-8 in a string
+    call = stub.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+    before = _errors_counted(app)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        loop.run_until_complete(call(raw, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be parsed" in err.value.details()
+    assert _errors_counted(app) == before + 1
