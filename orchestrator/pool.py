@@ -8,9 +8,10 @@ Two loops (observe only; the router decides):
            keep the normalised snapshot (waiting queue, KV usage) for the load scorers. Each worker's
            scrape runs on its own, so one engine that never answers delays no other's. After
            `liveness_failures` failed scrapes in a row the `on_worker_unresponsive` hooks run (the
-           service opens the worker's breaker and fails over its requests in flight): an engine that
-           accepts connections and never answers, or a SIGSTOPped one, is out of routing within
-           about liveness_failures x (scrape_interval_s + scrape_timeout_s) seconds.
+           service confirms with the engine's health check, then opens the worker's breaker and fails
+           over its requests in flight): an engine that accepts connections and never answers, or a
+           SIGSTOPped one, is out of routing within about liveness_failures x (scrape_interval_s +
+           scrape_timeout_s) + health_probe_timeout_s seconds.
 """
 
 from __future__ import annotations

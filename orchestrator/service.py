@@ -133,6 +133,7 @@ class InferenceService:
         # hung can have them failed over at once (`_unresponsive`); weak: an exchange that ends simply drops out
         self._inflight: dict[str, weakref.WeakSet] = collections.defaultdict(weakref.WeakSet)
         pool.on_worker_unresponsive.append(self._unresponsive)
+        self._confirming: set[str] = set()  # workers whose health check is being confirmed
         pool.on_worker_left.append(self._forget)
         self.prep = PromptPreparer(pool, cfg.max_tokens_cap)
         self.fields = RequestFields(cfg.request_fields, on_removed=lambda reason: metrics.fields_removed.labels(reason).inc())
@@ -166,8 +167,25 @@ class InferenceService:
         self.metrics.forget_worker(worker_id)
 
     def _unresponsive(self, worker_id: str, why: str) -> None:
-        """The pool found the worker hung: out of routing now, and what is in flight there goes elsewhere."""
+        """The pool's scrapes of the worker failed: confirm with its health check (a slow /metrics alone is no hang)."""
+        if worker_id not in self._confirming:
+            self._confirming.add(worker_id)
+            task = asyncio.create_task(self._confirm_hung(worker_id, why))
+            task.add_done_callback(lambda _t: self._confirming.discard(worker_id))
+
+    async def _confirm_hung(self, worker_id: str, why: str) -> None:
+        live = self.pool.workers.get(worker_id)
+        if live is None or await self.client.healthy(live.info.url + "/health", self.cfg.health_probe_timeout_s):
+            return
+        self._hung(worker_id, f"{why}; its health check failed too")
+
+    def _hung(self, worker_id: str, why: str) -> None:
+        """The worker is hung: out of routing now, and what is in flight there goes elsewhere (if there is an elsewhere:
+        with no other routable worker of the model, the requests keep their chance on this one, within their deadlines)."""
         self.breakers.trip(worker_id, why)
+        live = self.pool.workers.get(worker_id)
+        if live is None or not [e for e in self.routable(live.info.model) if e.worker_id != worker_id]:
+            return
         moved = 0
         for io in list(self._inflight.pop(worker_id, ())):
             if isinstance(io, asyncio.Future):

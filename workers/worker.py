@@ -125,39 +125,48 @@ class WorkerSupervisor:
         """Keep the lease alive until stop is requested or the engine dies. Returns an exit code."""
         interval = self.opts.lease_ttl_s / 3
         code = 0
-        while not self._stop.is_set():
-            if self.engine.returncode is not None:
-                log.error("engine of %s exited with %s:\n%s", self.worker_id, self.engine.returncode, self.engine.log_tail())
-                code = 1
-                break
-            if await self._engine_answers(min(2.0, interval)):
-                await self._renew()
-            try:
-                await asyncio.wait_for(self._stop.wait(), timeout=interval)
-            except asyncio.TimeoutError:
-                pass
+        # the engine's health is checked on its own schedule, so a slow answer never delays a renewal
+        health = asyncio.create_task(self._watch_health(interval)) if self.opts.health_failures else None
+        try:
+            while not self._stop.is_set():
+                if self.engine.returncode is not None:
+                    log.error("engine of %s exited with %s:\n%s", self.worker_id, self.engine.returncode, self.engine.log_tail())
+                    code = 1
+                    break
+                if self._unhealthy < self.opts.health_failures or not self.opts.health_failures:
+                    await self._renew()
+                try:
+                    await asyncio.wait_for(self._stop.wait(), timeout=interval)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if health is not None:
+                health.cancel()
+                await asyncio.gather(health, return_exceptions=True)
         await self.shutdown(drain=code == 0)
         return code
 
-    async def _engine_answers(self, timeout_s: float) -> bool:
-        """False once the engine has failed `health_failures` health checks in a row (its lease is then not renewed)."""
-        if not self.opts.health_failures:
-            return True
-        try:
-            async with httpx.AsyncClient(timeout=timeout_s) as client:
-                ok = (await client.get(self.engine.url + self.backend.health_path)).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
-            if self._unhealthy >= self.opts.health_failures:
-                log.warning("engine of %s answers its health check again: renewing its lease", self.worker_id)
-            self._unhealthy = 0
-            return True
-        self._unhealthy += 1
-        if self._unhealthy == self.opts.health_failures:
-            log.error("engine of %s failed %d health checks in a row: its lease is no longer renewed, so frontends "
-                      "stop routing to it", self.worker_id, self._unhealthy)
-        return self._unhealthy < self.opts.health_failures
+    async def _watch_health(self, interval: float) -> None:
+        """GET the engine's health every `interval` (timeout: at least 1 s); `health_failures` failures in a row stop
+        the lease renewals until it answers again."""
+        timeout_s = max(1.0, min(2.0, self.opts.lease_ttl_s / 2))
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            while True:
+                try:
+                    ok = (await client.get(self.engine.url + self.backend.health_path)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    if self._unhealthy >= self.opts.health_failures:
+                        log.warning("engine of %s answers its health check again: renewing its lease", self.worker_id)
+                        await self._renew()  # at once, not at the next tick
+                    self._unhealthy = 0
+                else:
+                    self._unhealthy += 1
+                    if self._unhealthy == self.opts.health_failures:
+                        log.error("engine of %s failed %d health checks in a row: its lease is no longer renewed, so "
+                                  "frontends stop routing to it", self.worker_id, self._unhealthy)
+                await asyncio.sleep(interval)
 
     async def _renew(self) -> None:
         assert self.info is not None
