@@ -300,7 +300,9 @@ def test_frontend_ports_probes_resources(rendered: dict[str, list[dict]]) -> Non
 def test_frontend_config_file_reaches_the_frontend(rendered: dict[str, list[dict]]) -> None:
     objs = rendered["all-backends"]
     cm = one(objs, "ConfigMap", "kv-frontend")
-    assert yaml.safe_load(cm["data"]["frontend.yaml"]) == {"frontend": {"max_attempts": 2, "first_byte_timeout_s": 120}}
+    assert yaml.safe_load(cm["data"]["frontend.yaml"]) == {"frontend": {
+        "max_attempts": 2, "first_byte_timeout_s": 120, "allowed_hosts": ["kvyard.example.com"], "header_timeout_s": 10,
+        "request_fields": {"allow": ["priority"], "unknown": "drop"}}}
     dep = one(objs, "Deployment", "kv-frontend")
     assert "--config=/etc/kvyard/frontend.yaml" in container(dep)["args"]
     mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
