@@ -21,13 +21,11 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import logging
 import random
 import time
 import uuid
-import weakref
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -49,6 +47,7 @@ from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, pars
 from orchestrator.request_fields import RequestFields
 from orchestrator.resilience.admission import AdmissionController, Ticket, worker_saturated
 from orchestrator.resilience.breaker import BreakerBoard, BreakerState, backoff_s
+from orchestrator.resilience.liveness import HungWorkers
 from orchestrator.resilience.migration import (
     CONTINUATION_PATH,
     ChunkRewriter,
@@ -129,11 +128,9 @@ class InferenceService:
             on_reject=lambda model, reason: metrics.admission_rejected.labels(model, reason).inc(),
             on_queue=lambda model, depth: metrics.admission_queue.labels(model).set(depth))
         self._probing = False
-        # each worker's engine exchanges in flight (post tasks awaiting headers, responses being read), so a worker found
-        # hung can have them failed over at once (`_unresponsive`); weak: an exchange that ends simply drops out
-        self._inflight: dict[str, weakref.WeakSet] = collections.defaultdict(weakref.WeakSet)
-        pool.on_worker_unresponsive.append(self._unresponsive)
-        self._confirming: set[str] = set()  # workers whose health check is being confirmed
+        # engines that stop answering: out of routing, their requests in flight failed over (resilience/liveness.py)
+        self.hung = HungWorkers(self._probe, self._trip, self._has_alternative)
+        pool.on_worker_unresponsive.append(self.hung.suspect)
         pool.on_worker_left.append(self._forget)
         self.prep = PromptPreparer(pool, cfg.max_tokens_cap)
         self.fields = RequestFields(cfg.request_fields, on_removed=lambda reason: metrics.fields_removed.labels(reason).inc())
@@ -162,39 +159,17 @@ class InferenceService:
 
     def _forget(self, worker_id: str) -> None:
         """A worker left the pool: its per-worker series and books go with it."""
-        self._inflight.pop(worker_id, None)
+        self.hung.forget(worker_id)
         self.breakers.prune(set(self.pool.workers))
         self.metrics.forget_worker(worker_id)
 
-    def _unresponsive(self, worker_id: str, why: str) -> None:
-        """The pool's scrapes of the worker failed: confirm with its health check (a slow /metrics alone is no hang)."""
-        if worker_id not in self._confirming:
-            self._confirming.add(worker_id)
-            task = asyncio.create_task(self._confirm_hung(worker_id, why))
-            task.add_done_callback(lambda _t: self._confirming.discard(worker_id))
+    def _trip(self, worker_id: str, why: str) -> None:
+        if worker_id in self.pool.workers:  # not one that left meanwhile
+            self.breakers.trip(worker_id, why)
 
-    async def _confirm_hung(self, worker_id: str, why: str) -> None:
+    def _has_alternative(self, worker_id: str) -> bool:
         live = self.pool.workers.get(worker_id)
-        if live is None or await self.client.healthy(live.info.url + "/health", self.cfg.health_probe_timeout_s):
-            return
-        self._hung(worker_id, f"{why}; its health check failed too")
-
-    def _hung(self, worker_id: str, why: str) -> None:
-        """The worker is hung: out of routing now, and what is in flight there goes elsewhere (if there is an elsewhere:
-        with no other routable worker of the model, the requests keep their chance on this one, within their deadlines)."""
-        self.breakers.trip(worker_id, why)
-        live = self.pool.workers.get(worker_id)
-        if live is None or not [e for e in self.routable(live.info.model) if e.worker_id != worker_id]:
-            return
-        moved = 0
-        for io in list(self._inflight.pop(worker_id, ())):
-            if isinstance(io, asyncio.Future):
-                moved += io.cancel()
-            else:
-                io.abort()
-                moved += 1
-        if moved:
-            log.warning("worker %s is unresponsive: failing over its %d requests in flight", worker_id, moved)
+        return live is not None and any(e.worker_id != worker_id for e in self.routable(live.info.model))
 
     def _breaker_changed(self, worker_id: str, state: BreakerState) -> None:
         self.metrics.breaker_state.labels(worker_id).set(int(state))
@@ -384,8 +359,8 @@ class InferenceService:
             post = asyncio.ensure_future(self.client.post(
                 ep.url + path, payload, headers, min(read_timeout, remaining),
                 headers_timeout_s=min(headers_timeout, remaining) if headers_timeout else None, total_s=remaining))
-            inflight = self._inflight[ep.worker_id]
-            inflight.add(post)  # cancelled by `_unresponsive` if the engine is found hung meanwhile
+            inflight = self.hung.book(ep.worker_id)
+            inflight.add(post)  # cancelled if the engine is found hung meanwhile
             try:
                 resp = await post
             except EngineUnreachableError as exc:
