@@ -607,8 +607,7 @@ def write_report(out: dict, cmd: str) -> None:
                      f"{fmt(100 * r['hit_rate'])}% | {fmt(100 * r['hit_rate'] / bound)}% | {r['errors']} |")
         L += reference_rows(sp, bound, 4)
         L += [""] + rounds_lines(sp["runs"], bound)
-        L += ["", "Dynamo 1.6.1 measured on this machine (reference/tools.md addendum, 8 mockers, H200 profile, 16,384 blocks, "
-              "20 req/s): kv TTFT p50 25 ms vs round-robin 105 ms; prompt-cache reads 78% vs 38%.", ""]
+        L += [""]
     if out.get("notes"):
         L += ["## Notes", ""] + [f"- {n}" for n in out["notes"]] + [""]
     (RESULTS / f"{OUT}.md").write_text("\n".join(L))
