@@ -38,7 +38,7 @@ class WorkerInfo(BaseModel):
     role: WorkerRole = WorkerRole.BOTH
     url: str  # engine HTTP base URL, e.g. http://127.0.0.1:8100
     block_size: int = 16
-    max_model_len: int = 4096
+    max_model_len: int = 8192
     tokenizer: str | None = None  # local path of a folder holding tokenizer.json (+ tokenizer_config.json)
     kv_events_endpoint: str | None = None  # ZMQ PUB endpoint, as a subscriber connects to it
     kv_replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for replay
@@ -77,7 +77,7 @@ class EngineLaunchConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     block_size: int = 16
-    max_model_len: int = 4096
+    max_model_len: int = 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_events_endpoint: str | None = None  # bind endpoint for the engine's PUB socket

@@ -23,7 +23,7 @@ import httpx
 
 __all__ = ["free_port", "RedisServer", "Child", "KvyardCluster", "rss_and_fds", "cpu_seconds", "descendants"]
 
-ROOT = Path(__file__).resolve().parents[1]
+
 
 
 def free_port() -> int:
@@ -129,7 +129,7 @@ class Child:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "info", *self.args], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "info", *self.args],
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.starts += 1
 
