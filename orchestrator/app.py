@@ -227,6 +227,10 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
         kv = {"indexed_blocks": router.kv_index.tree_sizes() if router.kv_index is not None else None,
               "pending_blocks": router.kv_index.pending_blocks() if router.kv_index is not None else None,
               "events": ingestor.stats() if ingestor else None}
-        return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers, "kv": kv})
+        # a worker id that registered again after its failure (restarted under the same name) is not failed any more
+        failed = [f.model_dump(mode="json") for f in pool.failures
+                  if f.worker_id not in pool.workers or pool.workers[f.worker_id].info.started_at < f.at]
+        return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers, "kv": kv,
+                             "failed_workers": failed})
 
     return app

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import secrets
-import shutil
+import shlex
 import signal
 import sys
 
@@ -24,6 +24,7 @@ from orchestrator.config import ClusterConfig, FrontendConfig, load_yaml
 from orchestrator.keys_cmd import add_keys_parser, run_keys_command
 from orchestrator.planner_cmd import add_planner_parser, run_planner_command
 from router import policy_names
+from workers.registry import backend_names
 from workers.types import WorkerRole
 
 __all__ = ["main"]
@@ -70,6 +71,25 @@ def _frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disagg-prefill-timeout", type=float, default=None, help="seconds to wait for a prefill hand-off (default 30)")
 
 
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="vLLM and SGLang device (default auto: cuda when nvidia-smi is on PATH, else cpu)")
+    p.add_argument("--engine-cmd", default=os.environ.get("KVYARD_ENGINE_CMD"), metavar="CMD",
+                   help="program that runs the engine instead of the backend's own (its flags follow), e.g. "
+                        "'python -m workers.sim --flavor sglang' to run the sim as an SGLang engine (env KVYARD_ENGINE_CMD)")
+    p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json the frontends use (default: the model directory's)")
+
+
+def _engine_cmd(text: str | None) -> list[str] | None:
+    if not text:
+        return None
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise SystemExit(f"kvyard: --engine-cmd: {exc}") from None
+    return argv or None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvyard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--log-level", default=os.environ.get("KVYARD_LOG_LEVEL", "info"))
@@ -81,9 +101,11 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-workers", type=int, default=None, help="disaggregated: this many prefill workers (with --decode-workers)")
     up.add_argument("--decode-workers", type=int, default=None, help="disaggregated: this many decode workers (--workers is then unused)")
     up.add_argument("--flavor", default=None, choices=["vllm", "sglang", "trtllm"],
-                    help="P/D hand-off protocol the sim engines speak (default vllm)")
-    up.add_argument("--backend", default=None, choices=["sim", "vllm"], help="default sim")
-    up.add_argument("--model", default=None, help="sim: profile name (default h200-llama3.1-8b); vllm: model directory")
+                    help="P/D hand-off protocol the sim engines speak (default: the backend's own; sim: vllm)")
+    up.add_argument("--backend", default=None, choices=backend_names(), help="default sim")
+    up.add_argument("--model", default=None, help="sim: profile name (default h200-llama3.1-8b); vllm, sglang, trtllm: "
+                                                   "model directory")
+    _engine_args(up)
     up.add_argument("--served-model-name", default=None)
     up.add_argument("--base-port", type=int, default=None, help="first engine port (default 8100)")
     up.add_argument("--block-size", type=int, default=None)
@@ -106,7 +128,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                                                  "each advertises its node's IP)")
 
     wk = sub.add_parser("worker", help="run one engine and register it")
-    wk.add_argument("--backend", required=True, choices=["sim", "vllm"])
+    wk.add_argument("--backend", required=True, choices=backend_names())
     wk.add_argument("--model", required=True)
     wk.add_argument("--served-model-name", required=True)
     wk.add_argument("--role", default="both", choices=[r.value for r in WorkerRole])
@@ -124,8 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="seconds the engine may take to become healthy, then the worker exits (default 600)")
     wk.add_argument("--engine-python", default=None, help="interpreter of the engine's own environment")
     wk.add_argument("--engine-cpus", default=None, metavar="LIST", help="Linux CPU list the engine runs on (e.g. 1-7)")
-    wk.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                    help="vLLM device (auto: cuda when nvidia-smi is on PATH, else cpu)")
+    _engine_args(wk)
     wk.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: passed to the engine")
 
     fe = sub.add_parser("frontend", help="run the OpenAI frontend over workers in Redis")
@@ -180,6 +201,8 @@ async def _run_up(ns: argparse.Namespace) -> int:
         "base_port": ns.base_port, "block_size": ns.block_size, "max_model_len": ns.max_model_len, "speedup": ns.speedup,
         "prefill_workers": ns.prefill_workers, "decode_workers": ns.decode_workers, "flavor": ns.flavor,
         "engine_start_timeout_s": ns.engine_start_timeout, "engine_cpus": _cpu_list(ns.engine_cpus),
+        "engine_cmd": _engine_cmd(ns.engine_cmd), "tokenizer": ns.tokenizer,
+        "device": ns.device if ns.device != "auto" else None,
     }.items() if v is not None}
     if overrides.get("backend", data.get("backend")) == "vllm":
         for key, value in {"block_size": 32, "max_model_len": 512, "served_model_name": "tiny"}.items():
@@ -187,6 +210,9 @@ async def _run_up(ns: argparse.Namespace) -> int:
                 overrides.setdefault(key, value)
         if "model" not in overrides and "model" not in data:
             raise SystemExit("kvyard up --backend vllm needs --model <model directory>")
+    backend = overrides.get("backend", data.get("backend"))
+    if backend in ("sglang", "trtllm") and "model" not in overrides and "model" not in data and not overrides.get("engine_cmd", data.get("engine_cmd")):
+        raise SystemExit(f"kvyard up --backend {backend} needs --model <model directory>")
     ccfg = ClusterConfig(frontend=fcfg, **{**data, **overrides})
     if ns.ray:
         from orchestrator.ray_cluster import RayCluster, RayOptions
@@ -268,29 +294,27 @@ def _cpu_list(text: str | None) -> frozenset[int] | None:
 
 
 async def _run_worker(ns: argparse.Namespace) -> int:
-    from orchestrator.disagg.launch import kv_connector_of, pd_registration
-    from orchestrator.launcher import default_tokenizer
+    from orchestrator.disagg.launch import kv_connector_of, pd_registration, role_args
+    from orchestrator.launcher import default_tokenizer, device_of
     from workers.discovery import RedisDiscovery
-    from workers.registry import get_backend
+    from workers.process import EngineStartError
+    from workers.registry import create_backend
     from workers.types import EngineLaunchConfig
     from workers.worker import WorkerOptions, WorkerSupervisor
 
     kv_port = ns.kv_events_port or ns.port + 1000
     extra = [a for a in ns.engine_args if a != "--"]
+    extra = role_args(ns.backend, WorkerRole(ns.role), extra) + extra  # e.g. SGLang's --disaggregation-mode, unless given
     cfg = EngineLaunchConfig(model=ns.model, served_model_name=ns.served_model_name, host=ns.host, port=ns.port,
                              block_size=ns.block_size, max_model_len=ns.max_model_len,
                              kv_events_endpoint=f"tcp://*:{kv_port}", kv_replay_endpoint=f"tcp://*:{kv_port + 1}",
-                             python=ns.engine_python, extra_args=extra, cpus=_cpu_list(ns.engine_cpus))
+                             python=ns.engine_python, extra_args=extra, cpus=_cpu_list(ns.engine_cpus),
+                             engine_cmd=_engine_cmd(ns.engine_cmd), role=ns.role)
     discovery = RedisDiscovery(ns.redis_url, prefix=ns.discovery_prefix)
-    backend = get_backend(ns.backend)
-    if ns.backend == "vllm":
-        from workers.vllm.backend import VllmBackend
-
-        device = ns.device if ns.device != "auto" else ("cuda" if shutil.which("nvidia-smi") else "cpu")
-        backend = VllmBackend(device=device)
+    backend = create_backend(ns.backend, device_of(ns.device if ns.device != "auto" else None))
     sup = WorkerSupervisor(backend, cfg, discovery, WorkerOptions(
         role=WorkerRole(ns.role), lease_ttl_s=ns.lease_ttl, drain_timeout_s=ns.drain_timeout, start_timeout_s=ns.engine_start_timeout,
-        advertise_host=ns.advertise_host or ns.host, tokenizer=default_tokenizer(ns.backend, ns.model),
+        advertise_host=ns.advertise_host or ns.host, tokenizer=default_tokenizer(ns.backend, ns.model, ns.tokenizer),
         labels={"kv_connector": c} if (c := kv_connector_of(extra)) else {},
         **dict(zip(("pd_protocol", "bootstrap_port"), pd_registration(ns.backend, extra)))))
     loop = asyncio.get_running_loop()
@@ -298,6 +322,10 @@ async def _run_worker(ns: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, sup.request_stop)
     try:
         await sup.start()
+    except EngineStartError as exc:  # logged and reported to discovery (/api/cluster) by the supervisor
+        await sup.shutdown(drain=False)
+        await discovery.close()
+        raise SystemExit(f"kvyard: worker {sup.worker_id}: {exc}") from None
     except BaseException:
         await sup.shutdown(drain=False)
         raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from workers.types import parse_cpu_list
 
@@ -114,23 +114,39 @@ class ClusterConfig(BaseModel):
     """`kvyard up`: a local cluster of engines behind one frontend."""
 
     frontend: FrontendConfig = Field(default_factory=FrontendConfig)
-    backend: str = "sim"
+    backend: str = Field("sim", pattern="^(sim|vllm|sglang|trtllm)$")
     workers: int = Field(2, ge=1, le=128)  # aggregated workers (role both); unused when prefill/decode workers are set
     prefill_workers: int = Field(0, ge=0, le=128)  # > 0 with decode_workers: a disaggregated cluster
     decode_workers: int = Field(0, ge=0, le=128)
-    flavor: str = Field("vllm", pattern="^(vllm|sglang|trtllm)$")  # P/D hand-off protocol (sim: --flavor)
-    model: str = "h200-llama3.1-8b"  # sim: profile name; vllm: model directory
+    # P/D hand-off protocol; None: the backend's own (sim: vllm). Only the sim plays another engine's (--flavor).
+    flavor: str | None = Field(None, pattern="^(vllm|sglang|trtllm)$")
+    model: str = "h200-llama3.1-8b"  # sim: profile name; vllm, sglang, trtllm: model directory (or id)
     served_model_name: str = "kvyard-sim"
     base_port: int = 8100
     block_size: int = 16
     max_model_len: int = 8192
     speedup: float = Field(1.0, gt=0)
     engine_args: list[str] = Field(default_factory=list)
+    # the program that runs each engine instead of the backend's own; the backend's flags follow it (e.g.
+    # ["python", "-m", "workers.sim", "--flavor", "sglang"]: the sim playing SGLang through SglangBackend)
+    engine_cmd: list[str] | None = None
+    tokenizer: str | None = None  # folder with tokenizer.json for the frontends; None: the model directory's
+    device: str | None = Field(None, pattern="^(cpu|cuda)$")  # vllm, sglang; None: cuda when nvidia-smi is on PATH
     engine_start_timeout_s: float = Field(600.0, gt=0)  # an engine not healthy by then fails `kvyard up`
     # CPUs every engine runs on, given as a Linux CPU list ("1", "2-7"); None: any CPU. Keeps cores free for the frontend
     # on CPU hosts (workers/types.py EngineLaunchConfig.cpus says why NIXL P/D engines need it).
     engine_cpus: frozenset[int] | None = None
     log_dir: Path = Path(".kvyard/logs")
+
+    @model_validator(mode="after")
+    def _flavor(self) -> "ClusterConfig":
+        own = "vllm" if self.backend == "sim" else self.backend
+        if self.flavor is None:
+            self.flavor = own
+        elif self.backend != "sim" and self.flavor != own:
+            raise ValueError(f"flavor {self.flavor!r}: a {self.backend} engine speaks its own P/D hand-off ({own}); "
+                             "only the sim plays another engine's")
+        return self
 
     @field_validator("engine_cpus", mode="before")
     @classmethod

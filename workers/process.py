@@ -75,6 +75,9 @@ class EngineProcess:
 
     def start(self) -> None:
         spec = self.backend.launch_spec(self.cfg)
+        for path, text in spec.files.items():  # e.g. TRT-LLM's --extra_llm_api_options YAML
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
         # PYTHONHASHSEED would silently re-seed vLLM's block-hash chain: the engine gets it only if the spec sets it
         inherited = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
         env = {**inherited, **spec.env}
