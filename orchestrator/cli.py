@@ -27,7 +27,7 @@ from router import policy_names
 from workers.registry import backend_names
 from workers.types import WorkerRole
 
-__all__ = ["main"]
+__all__ = ["main", "worker_setup"]
 
 log = logging.getLogger("kvyard")
 
@@ -293,14 +293,13 @@ def _cpu_list(text: str | None) -> frozenset[int] | None:
         raise SystemExit(f"kvyard: --engine-cpus: {exc}") from None
 
 
-async def _run_worker(ns: argparse.Namespace) -> int:
+def worker_setup(ns: argparse.Namespace):
+    """`kvyard worker`'s backend, engine launch config and worker options from its parsed flags (no I/O)."""
     from orchestrator.disagg.launch import kv_connector_of, pd_registration, role_args
     from orchestrator.launcher import default_tokenizer, device_of
-    from workers.discovery import RedisDiscovery
-    from workers.process import EngineStartError
     from workers.registry import create_backend
     from workers.types import EngineLaunchConfig
-    from workers.worker import WorkerOptions, WorkerSupervisor
+    from workers.worker import WorkerOptions
 
     kv_port = ns.kv_events_port or ns.port + 1000
     extra = [a for a in ns.engine_args if a != "--"]
@@ -310,13 +309,23 @@ async def _run_worker(ns: argparse.Namespace) -> int:
                              kv_events_endpoint=f"tcp://*:{kv_port}", kv_replay_endpoint=f"tcp://*:{kv_port + 1}",
                              python=ns.engine_python, extra_args=extra, cpus=_cpu_list(ns.engine_cpus),
                              engine_cmd=_engine_cmd(ns.engine_cmd), role=ns.role)
-    discovery = RedisDiscovery(ns.redis_url, prefix=ns.discovery_prefix)
     backend = create_backend(ns.backend, device_of(ns.device if ns.device != "auto" else None))
-    sup = WorkerSupervisor(backend, cfg, discovery, WorkerOptions(
+    opts = WorkerOptions(
         role=WorkerRole(ns.role), lease_ttl_s=ns.lease_ttl, drain_timeout_s=ns.drain_timeout, start_timeout_s=ns.engine_start_timeout,
         advertise_host=ns.advertise_host or ns.host, tokenizer=default_tokenizer(ns.backend, ns.model, ns.tokenizer),
         labels={"kv_connector": c} if (c := kv_connector_of(extra)) else {},
-        **dict(zip(("pd_protocol", "bootstrap_port"), pd_registration(ns.backend, extra)))))
+        **dict(zip(("pd_protocol", "bootstrap_port"), pd_registration(ns.backend, extra))))
+    return backend, cfg, opts
+
+
+async def _run_worker(ns: argparse.Namespace) -> int:
+    from workers.discovery import RedisDiscovery
+    from workers.process import EngineStartError
+    from workers.worker import WorkerSupervisor
+
+    backend, cfg, opts = worker_setup(ns)
+    discovery = RedisDiscovery(ns.redis_url, prefix=ns.discovery_prefix)
+    sup = WorkerSupervisor(backend, cfg, discovery, opts)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, sup.request_stop)

@@ -136,7 +136,7 @@ class TrtllmBackend:
         path = self.options_path(cfg)
         if cfg.engine_cmd:
             program = list(cfg.engine_cmd)
-        elif cfg.python:  # the console script beside the given interpreter
+        elif cfg.python and "/" in cfg.python:  # the console script beside the given interpreter
             program = [str(Path(cfg.python).parent / "trtllm-serve")]
         else:
             program = [shutil.which("trtllm-serve") or "trtllm-serve"]
