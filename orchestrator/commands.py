@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import shutil
 import signal
 
 import uvicorn
 
 from orchestrator.config import ClusterConfig, FrontendConfig, WorkerConfig
 
-__all__ = ["run_up", "run_worker", "run_frontend"]
+__all__ = ["run_up", "run_worker", "run_frontend", "worker_setup"]
 
 log = logging.getLogger("kvyard")
 
@@ -122,38 +121,49 @@ async def _start_planner(ccfg: ClusterConfig, app, cluster):
     return planner, connector
 
 
-async def run_worker(cfg: WorkerConfig) -> int:
-    from orchestrator.disagg.launch import kv_connector_of, pd_registration
-    from orchestrator.launcher import default_tokenizer
-    from workers.discovery import RedisDiscovery
-    from workers.registry import get_backend
+def worker_setup(cfg: WorkerConfig):
+    """`kvyard worker`'s backend, engine launch config and worker options from its config (no I/O)."""
+    from orchestrator.disagg.launch import kv_connector_of, pd_registration, role_args
+    from orchestrator.launcher import default_tokenizer, device_of
+    from workers.registry import create_backend
     from workers.types import EngineLaunchConfig
-    from workers.worker import WorkerOptions, WorkerSupervisor
+    from workers.worker import WorkerOptions
 
     kv_port = cfg.kv_events_port or cfg.port + 1000
     extra = list(cfg.engine_args)
+    extra = role_args(cfg.backend, cfg.role, extra) + extra  # e.g. SGLang's --disaggregation-mode, unless given
     launch = EngineLaunchConfig(model=cfg.model, served_model_name=cfg.served_model_name, host=cfg.host, port=cfg.port,
                                 block_size=cfg.block_size, max_model_len=cfg.max_model_len,
                                 kv_events_endpoint=f"tcp://*:{kv_port}", kv_replay_endpoint=f"tcp://*:{kv_port + 1}",
-                                python=cfg.engine_python, extra_args=extra, cpus=cfg.engine_cpus)
-    discovery = RedisDiscovery(cfg.redis_url, prefix=cfg.discovery_prefix)
-    backend = get_backend(cfg.backend)
-    if cfg.backend == "vllm":
-        from workers.vllm.backend import VllmBackend
-
-        device = cfg.device if cfg.device != "auto" else ("cuda" if shutil.which("nvidia-smi") else "cpu")
-        backend = VllmBackend(device=device)
-    sup = WorkerSupervisor(backend, launch, discovery, WorkerOptions(
+                                python=cfg.engine_python, extra_args=extra, cpus=cfg.engine_cpus,
+                                engine_cmd=cfg.engine_cmd, role=cfg.role.value)
+    backend = create_backend(cfg.backend, device_of(cfg.device if cfg.device != "auto" else None))
+    opts = WorkerOptions(
         role=cfg.role, lease_ttl_s=cfg.lease_ttl_s, drain_timeout_s=cfg.drain_timeout_s,
         start_timeout_s=cfg.engine_start_timeout_s, advertise_host=cfg.advertise_host or cfg.host,
-        tokenizer=default_tokenizer(cfg.backend, cfg.model),
+        tokenizer=default_tokenizer(cfg.backend, cfg.model, cfg.tokenizer),
         labels={"kv_connector": c} if (c := kv_connector_of(extra)) else {},
-        **dict(zip(("pd_protocol", "bootstrap_port"), pd_registration(cfg.backend, extra)))))
+        **dict(zip(("pd_protocol", "bootstrap_port"), pd_registration(cfg.backend, extra))))
+    return backend, launch, opts
+
+
+async def run_worker(cfg: WorkerConfig) -> int:
+    from workers.discovery import RedisDiscovery
+    from workers.process import EngineStartError
+    from workers.worker import WorkerSupervisor
+
+    backend, launch, opts = worker_setup(cfg)
+    discovery = RedisDiscovery(cfg.redis_url, prefix=cfg.discovery_prefix)
+    sup = WorkerSupervisor(backend, launch, discovery, opts)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, sup.request_stop)
     try:
         await sup.start()
+    except EngineStartError as exc:  # logged and reported to discovery (/api/cluster) by the supervisor
+        await sup.shutdown(drain=False)
+        await discovery.close()
+        raise SystemExit(f"kvyard: worker {sup.worker_id}: {exc}") from None
     except BaseException:
         await sup.shutdown(drain=False)
         raise

@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import shlex
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from orchestrator.config.frontend import FrontendConfig
 from workers.types import WorkerRole, parse_cpu_list
@@ -18,7 +20,7 @@ __all__ = ["EngineSettings", "ClusterConfig", "LocalPlannerConfig", "RayConfig",
 
 _STRICT = ConfigDict(extra="forbid")
 
-BackendName = Literal["sim", "vllm"]
+BackendName = Literal["sim", "vllm", "sglang", "trtllm"]  # workers/registry.py registers each (a test checks)
 FlavorName = Literal["vllm", "sglang", "trtllm"]
 
 
@@ -27,12 +29,20 @@ class EngineSettings(BaseModel):
 
     model_config = _STRICT
 
-    backend: BackendName = Field("sim", description="engine family: sim or vllm")
-    model: str = Field("h200-llama3.1-8b", min_length=1, description="sim: profile name; vllm: model directory")
+    backend: BackendName = Field("sim", description="engine family: sim, vllm, sglang or trtllm")
+    model: str = Field("h200-llama3.1-8b", min_length=1, description="sim: profile name; vllm, sglang, trtllm: model "
+                                                                     "directory (or id)")
     served_model_name: str = Field("kvyard-sim", min_length=1, description="model name clients ask for")
     block_size: int = Field(16, gt=0, description="KV-cache block size in tokens (vLLM-CPU needs 32)")
     max_model_len: int = Field(8192, gt=0, description="context length")
     engine_args: list[str] = Field(default_factory=list, description="passed to every engine unchanged")
+    engine_cmd: list[str] | None = Field(None, description="program that runs each engine instead of the backend's own "
+                                                           "(its flags follow), e.g. 'python -m workers.sim --flavor "
+                                                           "sglang' (env KVYARD_ENGINE_CMD)")
+    tokenizer: str | None = Field(None, description="folder with tokenizer.json for the frontends (default: the model "
+                                                    "directory's)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="vllm, sglang: auto picks cuda when nvidia-smi "
+                                                                       "is on PATH")
     engine_start_timeout_s: float = Field(600.0, gt=0, description="an engine not healthy by then fails its start")
     engine_cpus: frozenset[int] | None = Field(None, description="Linux CPU list every engine runs on (e.g. 1-7); "
                                                                  "none: any CPU")
@@ -41,6 +51,11 @@ class EngineSettings(BaseModel):
     @classmethod
     def _cpu_list(cls, v):
         return parse_cpu_list(v) if isinstance(v, str) else v  # ValueError -> a validation error naming the field
+
+    @field_validator("engine_cmd", mode="before")
+    @classmethod
+    def _command(cls, v):
+        return (shlex.split(v) or None) if isinstance(v, str) else v  # a shell-quoted string, as from the flag or env
 
 
 class LocalPlannerConfig(BaseModel):
@@ -74,12 +89,23 @@ class ClusterConfig(EngineSettings):
     workers: int = Field(2, ge=1, le=128, description="aggregated workers (unused with prefill/decode workers)")
     prefill_workers: int = Field(0, ge=0, le=128, description="> 0 with decode_workers: a disaggregated cluster")
     decode_workers: int = Field(0, ge=0, le=128, description="decode workers of a disaggregated cluster")
-    flavor: FlavorName = Field("vllm", description="P/D hand-off protocol (the sim speaks all three)")
+    flavor: FlavorName | None = Field(None, description="P/D hand-off protocol; none: the backend's own (sim: vllm); "
+                                                        "only the sim plays another engine's")
     base_port: int = Field(8100, gt=0, le=65535, description="first engine port")
     speedup: float = Field(1.0, gt=0, description="sim: divide simulated step times by this")
     log_dir: Path = Field(Path(".kvyard/logs"), description="engine logs")
     planner: LocalPlannerConfig = Field(default_factory=LocalPlannerConfig, description="the in-process planner")
     ray: RayConfig = Field(default_factory=RayConfig, description="workers as Ray actors")
+
+    @model_validator(mode="after")
+    def _flavor(self) -> ClusterConfig:
+        own = "vllm" if self.backend == "sim" else self.backend
+        if self.flavor is None:
+            self.flavor = own
+        elif self.backend != "sim" and self.flavor != own:
+            raise ValueError(f"flavor {self.flavor!r}: a {self.backend} engine speaks its own P/D hand-off ({own}); "
+                             "only the sim plays another engine's")
+        return self
 
 
 class WorkerConfig(EngineSettings):
@@ -96,4 +122,3 @@ class WorkerConfig(EngineSettings):
     lease_ttl_s: float = Field(6.0, gt=0, description="registration lease, renewed while the engine is healthy")
     drain_timeout_s: float = Field(60.0, ge=0, description="on SIGTERM, longest wait for in-flight requests")
     engine_python: str | None = Field(None, description="interpreter of the engine's own environment")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="vllm: auto picks cuda when nvidia-smi exists")

@@ -4,7 +4,8 @@
                          "workers": [{"worker_id", "model", "backend", "role", "url", "state", "inflight",
                                       "prefill_tokens", "running", "waiting", "kv_usage", "prefix_hit_rate",
                                       "generation_tokens"}, ...],
-                         "kv": {"indexed_blocks", "pending_blocks", "events"}}
+                         "kv": {"indexed_blocks", "pending_blocks", "events"},
+                         "failed_workers": [{"worker_id", "reason", "at", ...}, ...]}  (workers whose engine failed)
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def make_cluster_router(admin: AdminGuard, pool: WorkerPool, router: Router, ing
         kv = {"indexed_blocks": index.tree_sizes() if index is not None else None,
               "pending_blocks": index.pending_blocks() if index is not None else None,
               "events": ingestor.stats() if ingestor else None}
-        return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers, "kv": kv})
+        # a worker id that registered again after its failure (restarted under the same name) is not failed any more
+        failed = [f.model_dump(mode="json") for f in pool.failures
+                  if f.worker_id not in pool.workers or pool.workers[f.worker_id].info.started_at < f.at]
+        return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers, "kv": kv,
+                             "failed_workers": failed})
 
     return api

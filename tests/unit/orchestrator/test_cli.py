@@ -122,3 +122,15 @@ def test_library_defaults_equal_the_configs():
                                                                               w.engine_start_timeout_s)
     launch = EngineLaunchConfig(model="m", served_model_name="m")
     assert (launch.block_size, launch.max_model_len) == (w.block_size, w.max_model_len)
+
+
+def test_the_configs_backends_are_the_registered_ones():
+    from typing import get_args
+
+    from orchestrator.config.cluster import BackendName
+    from router import policy_names
+    from router.config import PolicyName
+    from workers.registry import backend_names
+
+    assert sorted(get_args(BackendName)) == backend_names()
+    assert sorted(get_args(PolicyName)) == policy_names()
