@@ -22,16 +22,19 @@ import shlex
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
-from benchmarks.procs import ROOT, KvyardCluster, free_port
+from orchestrator.testing.procs import KvyardCluster, free_port
+from workers.sim.backend import SIM_TOKENIZER_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "simmodel"
-TOKENIZER = str(ROOT / "workers" / "sim" / "tokenizer")
+TOKENIZER = str(SIM_TOKENIZER_DIR)
 BACKENDS = ["sglang", "trtllm"]
 EVENT_FORMAT = {"sglang": "sglang", "trtllm": "vllm"}  # trtllm: what the worker's relay republishes
 
@@ -183,7 +186,7 @@ async def test_engine_that_never_becomes_healthy(cluster: KvyardCluster) -> None
 
 
 async def test_trtllm_engine_whose_events_do_not_decode(cluster: KvyardCluster) -> None:
-    bad = shlex.join([sys.executable, str(ROOT / "tests" / "fixtures" / "engines" / "bad_trtllm.py")])
+    bad = shlex.join([sys.executable, str(REPO / "tests" / "fixtures" / "engines" / "bad_trtllm.py")])
     cluster.add_frontend("f")
     cluster.add_worker("w", backend="trtllm", worker_args=worker_args("trtllm", cmd=bad))
     await cluster.wait_ready("f", 1, timeout=120, respawn=False)  # it is healthy and registers first
