@@ -226,3 +226,10 @@ def test_router_load_drain_follows_the_config():
     """kv_prefill_drain (on by default) reaches the router's load bookkeeping; off keeps the booked figure."""
     assert create_app(FrontendConfig(grpc_port=0), InMemoryDiscovery()).state.router.loads.drain is True
     assert create_app(FrontendConfig(grpc_port=0, router={"kv": {"prefill_drain": False}}), InMemoryDiscovery()).state.router.loads.drain is False
+
+
+@pytest.mark.parametrize("prompt", [[-1], [[0, 1], [2, -5]], [1 << 40], [[]]])
+async def test_token_id_prompts_out_of_range_are_a_400(frontend, prompt):
+    client, _disc = frontend
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
