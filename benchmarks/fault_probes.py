@@ -24,7 +24,7 @@ import uuid
 
 import aiohttp
 
-from benchmarks.procs import descendants
+from orchestrator.testing.procs import descendants
 from workers.discovery import RedisDiscovery
 from workers.signing import sign_entry
 from workers.types import WorkerInfo

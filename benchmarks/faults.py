@@ -47,7 +47,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.fault_probes import BlackHole, RoutingWatch, heal_time, plant_bad_entries, stop_engine, worker_id_at
-from benchmarks.procs import KvyardCluster, RedisServer, free_port
+from orchestrator.testing.procs import KvyardCluster, RedisServer, free_port
 
 MODEL = "faults"
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -32,7 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.procs import free_port  # noqa: E402
+from orchestrator.testing.procs import free_port  # noqa: E402
 from workers.sim.backend import SIM_TOKENIZER_DIR  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

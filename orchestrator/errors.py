@@ -21,7 +21,12 @@ Body: {"error": {"message", "type", "param", "code"}} — the shape the OpenAI c
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 __all__ = [
@@ -40,7 +45,10 @@ __all__ = [
     "UpstreamError",
     "error_response",
     "error_body",
+    "install_error_handlers",
 ]
+
+_log = logging.getLogger("kvyard.frontend")
 
 
 class KvyardError(Exception):
@@ -134,3 +142,38 @@ def error_response(exc: KvyardError) -> Response:
     if exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, int(round(exc.retry_after))))
     return Response(json.dumps(error_body(exc)), status_code=exc.status, media_type="application/json", headers=headers)
+
+
+def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None] | None = None) -> None:
+    """Every error the app answers leaves as OpenAI error JSON: ours as they are, FastAPI's validation errors as 400,
+    Starlette's HTTP errors (404 for an unknown route, 405, ...) with their status, and a bug as a 500 in the same shape
+    (never Starlette's plain text). `on_error(request, status)` sees every one of them (metrics)."""
+
+    def seen(request: Request, status: int) -> None:
+        if on_error is not None:
+            on_error(request, status)
+
+    @app.exception_handler(KvyardError)
+    async def _kvyard_error(request: Request, exc: KvyardError) -> Response:
+        seen(request, exc.status)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        seen(request, 400)
+        return error_response(BadRequestError(str(exc.errors()[:1])))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        seen(request, exc.status_code)
+        if exc.status_code == 404:
+            return error_response(ModelNotFoundError(f"no route {request.method} {request.url.path}", code="not_found"))
+        err = KvyardError(str(exc.detail))
+        err.status, err.type, err.code = exc.status_code, "invalid_request_error", None
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        seen(request, 500)
+        _log.error("internal error on %s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc, exc_info=exc)
+        return error_response(KvyardError(f"internal error ({type(exc).__name__}); the details are in the frontend's log"))

@@ -88,16 +88,18 @@ class RayCluster:
     def spec_for(self, pool: PoolKey, i: int) -> WorkerSpec:
         c = self.cfg
         engine = engine_config(c, 0, AUTO, AUTO, host=self.opts.engine_host)
+        engine.role = pool.role
         wid = f"{c.backend}-ray-{self.run_id}-{i}"
         return WorkerSpec(backend=c.backend, engine=engine, role=pool.role, redis_url=self.redis_url, discovery_prefix=self.prefix,
-                          registry_secret=c.frontend.registry_secret, discovery_hub=self._hub, worker_id=wid, tokenizer=default_tokenizer(c.backend, c.model),
-                          labels={"ray_run": self.run_id}, device=None,
+                          registry_secret=c.frontend.security.registry_secret, discovery_hub=self._hub, worker_id=wid,
+                          tokenizer=default_tokenizer(c.backend, c.model, c.tokenizer),
+                          labels={"ray_run": self.run_id}, device=None if c.device == "auto" else c.device,
                           log_path=str((c.log_dir / f"{wid}.log").resolve()) if self.local else None)
 
     async def start(self) -> None:
         self._init_ray()
         if self.redis_url:
-            self.discovery = RedisDiscovery(self.redis_url, self.prefix, secret=self.cfg.frontend.registry_secret)
+            self.discovery = RedisDiscovery(self.redis_url, self.prefix, secret=self.cfg.frontend.security.registry_secret)
         else:
             self._hub = start_discovery_hub(f"kvyard-{self.run_id}:discovery")
             self.discovery = RayActorDiscovery(self._hub)

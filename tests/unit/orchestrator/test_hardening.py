@@ -19,8 +19,9 @@ from orchestrator.security import load_key_file
 from orchestrator.tokenizer import PromptTokenizer
 from workers.discovery import InMemoryDiscovery
 
-from .fake_engine import FakeEngine
-from .test_frontend import assert_openai_error, winfo
+from orchestrator.testing import FakeEngine, winfo
+
+from .test_frontend import assert_openai_error
 
 ADMIN = "admin-token-for-tests-0123456789"
 JSON = {"content-type": "application/json"}
@@ -30,8 +31,8 @@ JSON = {"content-type": "application/json"}
 async def stack():
     """(client, discovery, app) over a frontend with an admin token; its Host is 127.0.0.1."""
     disc = InMemoryDiscovery()
-    app = create_app(FrontendConfig(refresh_interval_s=60, admin_token=ADMIN, admin_loopback_reads=True,
-                                    request_fields=RequestFieldsConfig(allow=["priority"])), disc)
+    app = create_app(FrontendConfig(refresh_interval_s=60, grpc_port=0, security={
+        "admin_token": ADMIN, "admin_loopback_reads": True, "request_fields": RequestFieldsConfig(allow=["priority"])}), disc)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=30) as client:
             yield client, disc, app
