@@ -42,6 +42,8 @@ BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatComp
 def _with_request_bodies(spec: dict) -> dict:
     _, defs = models_json_schema([(m, "validation") for m in BODIES.values()], ref_template="#/components/schemas/{model}")
     spec.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    for model in BODIES.values():  # a top-level field off the allowlist is refused (orchestrator/request_fields.py)
+        spec["components"]["schemas"][model.__name__]["additionalProperties"] = False
     for path, model in BODIES.items():
         spec["paths"][path]["post"]["requestBody"] = {
             "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
