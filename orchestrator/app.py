@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -35,12 +34,15 @@ from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_st
 from workers.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
 from orchestrator.disagg import DisaggCoordinator
 from orchestrator.service import InferenceService
+from orchestrator.features_view import cluster_features, model_cards
+from orchestrator.sessions import build_affinity
 from router import Router, build_policy
+from router.plugins import AdapterAffinity
 from router.load import LoadTracker
 from router.events import KvEventIngestor
 from workers.discovery import Discovery, InMemoryDiscovery, RedisDiscovery
 
-__all__ = ["create_app", "make_discovery", "make_guards"]
+__all__ = ["create_app", "make_discovery", "make_guards", "make_stages"]
 
 log = logging.getLogger("kvyard.frontend")
 
@@ -74,12 +76,19 @@ def make_guards(cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> 
     return InferenceGuard(keys, limiter, metrics=metrics), admin
 
 
+def make_stages(cfg: FrontendConfig) -> list:
+    """The router's stages, in order: LoRA adapter holders first, then the session's worker (router/interfaces.py)."""
+    stages: list = [AdapterAffinity(cfg.lora.max_load_gap)] if cfg.lora.adapters else []
+    affinity = build_affinity(cfg.affinity)
+    return stages + ([affinity] if affinity is not None else [])
+
+
 def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastAPI:
     discovery = discovery or make_discovery(cfg)
     metrics = FrontendMetrics()
     params = ({"overlap_weight": cfg.kv_overlap_weight, "reuse_weight": cfg.kv_reuse_weight, "request_weight": cfg.kv_request_weight,
                "pending_ttl_s": cfg.kv_pending_ttl_s, "temperature": cfg.router_temperature} if cfg.policy == "kv" else {})
-    router = Router(build_policy(cfg.policy, **params), LoadTracker(drain=cfg.kv_prefill_drain))
+    router = Router(build_policy(cfg.policy, **params), LoadTracker(drain=cfg.kv_prefill_drain), stages=make_stages(cfg))
     ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor)
     service = InferenceService(cfg, pool, router, metrics)
@@ -180,13 +189,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         guard.authenticate(request.headers, "http")
-        data = []
-        for name in pool.models():
-            info = pool.info_for(name)
-            data.append({"id": name, "object": "model", "created": int(info.started_at if info else time.time()),
-                         "owned_by": "kvyard", "root": name, "parent": None,
-                         "max_model_len": info.max_model_len if info else None})
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": model_cards(pool, cfg.lora)})
 
     @app.get("/live")
     async def live() -> Response:
@@ -227,6 +230,10 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
         kv = {"indexed_blocks": router.kv_index.tree_sizes() if router.kv_index is not None else None,
               "pending_blocks": router.kv_index.pending_blocks() if router.kv_index is not None else None,
               "events": ingestor.stats() if ingestor else None}
-        return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers, "kv": kv})
+        features = cluster_features(router, service)  # adapters and sessions per worker, queue depth per class
+        for w in workers:
+            w.update(features["per_worker"].get(w["worker_id"], {"adapters": [], "sessions_pinned": 0}))
+        return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers, "kv": kv,
+                             **features["cluster"]})
 
     return app

@@ -7,6 +7,10 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, Field, field_validator
 
+from orchestrator.lora import LoraConfig
+from orchestrator.multimodal import MultimodalConfig
+from orchestrator.resilience.fairshare import FairShareConfig
+from orchestrator.sessions import AffinityConfig
 from workers.types import parse_cpu_list
 
 __all__ = ["FrontendConfig", "ClusterConfig", "DisaggConfig", "load_yaml"]
@@ -108,6 +112,11 @@ class FrontendConfig(BaseModel):
     telemetry: bool = True  # per-pool telemetry for the planner (Redis when redis_url is set, else in memory)
     telemetry_interval_s: float = Field(1.0, gt=0)
     disagg: DisaggConfig = Field(default_factory=DisaggConfig)
+    # ---- peers' most asked-for features (docs/features.md); one sub-model each, defined next to its code ----
+    lora: LoraConfig = Field(default_factory=LoraConfig)  # LoRA adapters served on demand (orchestrator/lora.py)
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig)  # session affinity (orchestrator/sessions.py)
+    multimodal: MultimodalConfig = Field(default_factory=MultimodalConfig)  # image/audio parts (orchestrator/multimodal.py)
+    fair_share: FairShareConfig = Field(default_factory=FairShareConfig)  # admission order (resilience/fairshare.py)
 
 
 class ClusterConfig(BaseModel):
