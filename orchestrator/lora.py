@@ -9,8 +9,8 @@
 
 Loading goes through the engine's own API (workers/<backend>/features.py: vLLM `POST /v1/load_lora_adapter`,
 SGLang `POST /load_lora_adapter`). A worker keeps at most `max_per_worker` adapters loaded by this frontend: the
-least recently used one with no request in flight is unloaded first (if every one is busy, the cap is exceeded
-until one frees up, and the engine's own limit decides). An engine that already holds an adapter (loaded before
+least recently used one with no request in flight is unloaded once a new one has loaded (if every one is busy, the
+cap is exceeded until one frees up, and the engine's own limit decides). An engine that already holds an adapter (loaded before
 this frontend started) counts as loaded. A load that fails (the engine refuses, times out or is unreachable)
 marks the (worker, adapter) pair as failing for `failure_backoff_s`: the request goes on to the next worker of the
 ranking, and that worker is not asked to load the adapter again until the backoff ends. When no worker can load
@@ -63,6 +63,7 @@ class LoraConfig(BaseModel):
     load_timeout_s: float = Field(120.0, gt=0, description="longest wait for an engine to load an adapter")
     failure_backoff_s: float = Field(60.0, gt=0, description="a worker that failed to load an adapter is not asked again for this long")
     max_load_gap: float = Field(4.0, ge=0, description="router: a holder more than this many requests above the least loaded worker loses its preference")
+    max_lora_rank: int = Field(16, ge=1, description="`kvyard up`: --max-lora-rank of the engines it starts (the largest adapter rank)")
 
     @model_validator(mode="after")
     def _unique(self) -> LoraConfig:
@@ -184,13 +185,15 @@ class LoraManager:
             feats = features_of(self.protocol_of(wid) or "")
             if feats is None:
                 raise LoraLoadError(f"worker {wid} cannot load LoRA adapter `{spec.name}`: its engine has no runtime adapter loading")
-            await self._make_room(ep, loaded, feats)
             await self._post(ep, feats.LOAD_PATH, feats.load_body(spec.name, spec.path), spec.name, feats)
             loaded[spec.name] = None
+            await self._make_room(ep, loaded, feats)  # after the load: a failed load evicts nothing
 
     async def _make_room(self, ep: Endpoint, loaded: OrderedDict, feats) -> None:
-        while len(loaded) >= self.cfg.max_per_worker:
-            idle = next((a for a in loaded if not self._inflight.get((ep.worker_id, a))), None)
+        """Unload least recently used idle adapters (never the newest) until at most max_per_worker are loaded."""
+        while len(loaded) > self.cfg.max_per_worker:
+            newest = next(reversed(loaded))
+            idle = next((a for a in loaded if a != newest and not self._inflight.get((ep.worker_id, a))), None)
             if idle is None:
                 log.info("worker %s: all %d adapters busy; loading one more than max_per_worker", ep.worker_id, len(loaded))
                 return

@@ -49,6 +49,8 @@ from workers.sim.timing import TimingModel
 
 __all__ = ["KvEventsConfig", "SimConfig", "build_parser", "parse_args"]
 
+_MM = MmTokenSpec()  # the placeholder defaults, shared with the frontend's MultimodalConfig
+
 
 class KvEventsConfig(BaseModel):
     """vLLM's `KVEventsConfig` (vllm/config/kv_events.py), same fields, defaults and order."""
@@ -158,10 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     p.add_argument("--max-loras", type=int, default=1)
-    p.add_argument("--mm-image-tokens", type=int, default=MmTokenSpec.tokens_per_image)
-    p.add_argument("--mm-image-token-id", type=int, default=MmTokenSpec.image_token_id)
-    p.add_argument("--mm-audio-tokens", type=int, default=MmTokenSpec.tokens_per_audio)
-    p.add_argument("--mm-audio-token-id", type=int, default=MmTokenSpec.audio_token_id)
+    p.add_argument("--mm-image-tokens", type=int, default=_MM.tokens_per_image)
+    p.add_argument("--mm-image-token-id", type=int, default=_MM.image_token_id)
+    p.add_argument("--mm-audio-tokens", type=int, default=_MM.tokens_per_audio)
+    p.add_argument("--mm-audio-token-id", type=int, default=_MM.audio_token_id)
     return p
 
 

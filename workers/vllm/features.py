@@ -19,13 +19,19 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LOAD_PATH", "UNLOAD_PATH", "RUNTIME_LORA_ENV", "already_loaded", "lora_request_fields", "load_body",
+__all__ = ["LOAD_PATH", "UNLOAD_PATH", "RUNTIME_LORA_ENV", "already_loaded", "lora_launch", "lora_request_fields", "load_body",
            "priority_value", "unload_body"]
 
 LOAD_PATH = "/v1/load_lora_adapter"
 UNLOAD_PATH = "/v1/unload_lora_adapter"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 _PRIORITY = {"high": -1, "normal": 0, "low": 1}
+
+
+def lora_launch(max_loras: int, max_lora_rank: int = 16) -> tuple[list[str], dict[str, str]]:
+    """Server flags and environment that let kvyard load adapters at run time (the sim engine takes the same)."""
+    return (["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(max_lora_rank)],
+            {RUNTIME_LORA_ENV: "True"})
 
 
 def load_body(name: str, path: str) -> dict[str, Any]:
