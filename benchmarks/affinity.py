@@ -41,6 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import add_cluster_args, result_header  # noqa: E402
 from benchmarks.loadgen import percentiles  # noqa: E402
 from benchmarks.routing import MODEL, TRACE, VOCAB_HI, VOCAB_LO, Cluster, engine_counters, trace_workload  # noqa: E402
 
@@ -238,13 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loads", default="synthetic,mooncake")
     ap.add_argument("--policies", default="kv,round-robin", help="each run without and with affinity")
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--speedup", type=float, default=0.5)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-model-len", type=int, default=16384)
-    ap.add_argument("--num-gpu-blocks", type=int, default=2048, help="per worker")
-    ap.add_argument("--port", type=int, default=18790)
-    ap.add_argument("--base-port", type=int, default=18800)
+    add_cluster_args(ap, workers=4, speedup=0.5, max_model_len=16384, num_gpu_blocks=2048, port=18790)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--sessions", type=int, default=96)
@@ -266,9 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def amain(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="kvyard-affinity-"))
     args.engine_extra = []
-    out = {"benchmark": "affinity", "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "machine": f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}", "loadavg": {"start": round(os.getloadavg()[0], 2)},
-           "params": vars(args).copy(), "loads": {}}
+    out = {**result_header("affinity"), "params": vars(args).copy(), "loads": {}}
     base = args
     for load in filter(None, base.loads.split(",")):
         args = base
