@@ -16,7 +16,8 @@ Loads (every request carries `x-session-id`):
                mean `--think-s`); `--turns` min,max turns, answers of `--osl` min,max tokens (ignore_eos).
   mooncake     the first `--trace-requests` rows of benchmarks/data/mooncake_conversation_trace.jsonl replayed open loop
                (routing.py's replay: hash ids -> token blocks, `--compression`, `--osl-scale`), grouped into sessions: a
-               row joins the session of the earliest row it shares at least 2 leading hash-id blocks with (1,024 tokens).
+               row joins the session of the earliest row it shares at least 2 leading hash-id blocks with (1,024 tokens);
+               its own KV size, context and speed-up (`--trace-*`), over `--trace-policies`.
 
 Reported per run: TTFT p50/p90/p99 in profile ms (wall x speed-up), the fleet's prefix-cache hit rate
 (Δ vllm:prefix_cache_hits / Δ queries over all engines), the turns that moved to another worker than their
@@ -250,10 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--user-tokens", default="128,768")
     ap.add_argument("--osl", default="64,256")
     ap.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns, profile s")
-    ap.add_argument("--trace-requests", type=int, default=600)
+    ap.add_argument("--trace-requests", type=int, default=400)
+    ap.add_argument("--trace-policies", default="kv", help="mooncake load: each run without and with affinity")
+    ap.add_argument("--trace-speedup", type=float, default=1.0, help="sim speed-up for the mooncake load")
     ap.add_argument("--trace-num-gpu-blocks", type=int, default=16384, help="per worker, mooncake load (its prompts reach 120k tokens)")
     ap.add_argument("--trace-max-model-len", type=int, default=131072)
-    ap.add_argument("--compression", type=float, default=4.0)
+    ap.add_argument("--compression", type=float, default=1.5)
     ap.add_argument("--osl-scale", type=float, default=0.25)
     return ap
 
@@ -266,7 +269,8 @@ async def amain(args) -> dict:
     for load in filter(None, base.loads.split(",")):
         args = base
         if load == "mooncake":
-            args = argparse.Namespace(**{**vars(base), "num_gpu_blocks": base.trace_num_gpu_blocks, "max_model_len": base.trace_max_model_len})
+            args = argparse.Namespace(**{**vars(base), "num_gpu_blocks": base.trace_num_gpu_blocks, "max_model_len": base.trace_max_model_len,
+                                         "policies": base.trace_policies, "speedup": base.trace_speedup})
         if load == "synthetic":
             work = synthetic_sessions(args)
             params = {"sessions": len(work), "turns": sum(len(s["users"]) for s in work), "session_rate": args.session_rate,
@@ -276,7 +280,8 @@ async def amain(args) -> dict:
             params = {"requests": len(work), "sessions": len({w["session"] for w in work}), "compression": args.compression,
                       "osl_scale": args.osl_scale, "multi_turn_sessions": sum(1 for s in {w["session"] for w in work}
                                                                             if sum(w["session"] == s for w in work) > 1)}
-        params.update({"workers": args.workers, "num_gpu_blocks": args.num_gpu_blocks, "speedup": args.speedup})
+        params.update({"workers": args.workers, "num_gpu_blocks": args.num_gpu_blocks, "speedup": args.speedup,
+                       "max_model_len": args.max_model_len})
         policies = [p for p in args.policies.split(",") if p]
         rounds = []
         for rnd in range(args.repeats):
