@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: install vllm redis run test test-fast bench clean
+.PHONY: install vllm sglang redis run test test-fast bench clean
 
 $(BIN)/.installed: pyproject.toml setup.py router/_kvcore.c
 	$(PY) -m venv $(VENV)
@@ -17,13 +17,16 @@ install: $(BIN)/.installed
 vllm:
 	bash scripts/install_vllm.sh
 
+sglang:
+	bash scripts/install_sglang.sh
+
 redis:
 	bash scripts/ensure_redis.sh
 
 run: install
 	$(BIN)/kvyard up $(ARGS)
 
-test: install vllm redis
+test: install vllm sglang redis
 	bash scripts/install_browser.sh
 	$(BIN)/pytest $(ARGS)
 
@@ -31,4 +34,4 @@ test-fast: install
 	$(BIN)/pytest tests/unit $(ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-vllm .cache .kvyard
+	rm -rf $(VENV) .venv-vllm .venv-sglang .cache .kvyard

@@ -60,14 +60,14 @@ async def end_to_end(keyed: bool, n: int = 300) -> float:
 
     from orchestrator.app import create_app
     from orchestrator.config import FrontendConfig
-    from tests.unit.orchestrator.fake_engine import FakeEngine
-    from tests.unit.orchestrator.test_frontend import winfo
+    from orchestrator.testing import FakeEngine
+    from orchestrator.testing import winfo
     from workers.discovery import InMemoryDiscovery
 
     tmp = Path(tempfile.mkdtemp())
     key, rec = generate_key("bench", rpm=10**9, tpm=10**12)
     save_key_file(tmp / "keys.yaml", KeyFile(keys=[rec]))
-    cfg = FrontendConfig(refresh_interval_s=60, telemetry=False, api_keys_file=(tmp / "keys.yaml") if keyed else None)
+    cfg = FrontendConfig(refresh_interval_s=60, grpc_port=0, telemetry={"enabled": False}, security={"api_keys_file": (tmp / "keys.yaml") if keyed else None})
     disc = InMemoryDiscovery()
     with FakeEngine(tokens=4) as eng:
         await disc.register(winfo("a", eng.url), ttl_s=600)

@@ -1,6 +1,6 @@
 """Aggregated vs disaggregated vs conditional P/D serving: goodput per GPU over an ISL x OSL grid.
 
-    kvyard bench disagg [--quick] [--gpus 8] [--isl 1024 3000 8192 32768] [--osl 64 150 512 1024]
+    python -m benchmarks disagg [--quick] [--gpus 8] [--isl 1024 3000 8192 32768] [--osl 64 150 512 1024]
                         [--ttft-ms 200] [--ttft-factor 2] [--itl-ms 10] [--attainment 0.9]
                         [--kv-bandwidth-gbs 100] [--kv-latency-ms 1] [--kv-dtype-bytes 2] [--validate]
 
@@ -370,12 +370,12 @@ def markdown(res: dict) -> str:
                   "times x speed-up = profile ms." + (f" {v['note']}." if v.get("note") else "")]
     cpu = sum(c.get("cpu_s", 0.0) for c in res["cells"])
     lines += ["", f"Wall time {res['wall_s']:.0f} s ({cpu:.0f} s of CPU over the cells, --jobs {res['config'].get('jobs', 1)}). "
-              "Written by `kvyard bench disagg`; every probe is in the JSON.", ""]
+              "Written by `python -m benchmarks disagg`; every probe is in the JSON.", ""]
     return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvyard bench disagg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks disagg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default=DEFAULT_PROFILE)
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--isl", type=int, nargs="+", default=None, help=f"default {FULL_ISL} ({QUICK_ISL} with --quick)")

@@ -39,7 +39,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.procs import KvyardCluster, RedisServer, free_port
+from orchestrator.testing.procs import KvyardCluster, RedisServer, free_port
 
 MODEL = "faults"
 RESULTS = Path(__file__).resolve().parent / "results"

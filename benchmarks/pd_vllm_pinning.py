@@ -35,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.procs import cpu_seconds, descendants, free_port  # noqa: E402
+from orchestrator.testing.procs import cpu_seconds, descendants, free_port  # noqa: E402
 from workers.process import cpus_but_first  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"

@@ -1,7 +1,7 @@
 """Routing benchmark: the Mooncake conversation trace and a shared-prefix workload, replayed open-loop
 (fixed schedule, streaming) against `kvyard up --workers 8 --policy P` over sim engines, per policy.
 
-    kvyard bench routing [--requests 500 --compression 8 --speedup 0.25 ...]
+    python -m benchmarks routing [--requests 500 --compression 8 --speedup 0.25 ...]
     .venv/bin/python benchmarks/routing.py [same flags]
 
 Trace replay. The first `--requests` rows of benchmarks/data/mooncake_conversation_trace.jsonl. Each
@@ -339,7 +339,8 @@ class Cluster:
     def __init__(self, args, policy: str, num_gpu_blocks: int, tmp: Path, kv: dict | None = None) -> None:
         kv = kv or {}
         tag = f"{policy}-{num_gpu_blocks}" + "".join(f"-{k}{v:g}" for k, v in sorted(kv.items()))
-        self.setup(args, policy, tmp, tag, num_gpu_blocks, ["--workers", str(args.workers)], {f"kv_{k}": v for k, v in kv.items()})
+        self.setup(args, policy, tmp, tag, num_gpu_blocks, ["--workers", str(args.workers)],
+                   {"router": {"kv": kv}} if kv else {})
         self.ports = [args.base_port + i for i in range(args.workers)]
 
     def setup(self, args, policy: str, tmp: Path, tag: str, num_gpu_blocks: int, pool_args: list[str], frontend: dict) -> None:
@@ -671,7 +672,7 @@ def hit_bars(ax, names: list[str], pcts: list[float], colors: list[str], title: 
 # ---------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvyard bench routing", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks routing", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="kv,round-robin,random,least-loaded")
     ap.add_argument("--workers", type=int, default=8)
@@ -695,14 +696,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sp-num-gpu-blocks", type=int, default=16384)
     ap.add_argument("--sp-policies", default="kv,round-robin")
     ap.add_argument("--skip", default="", help="comma list of: trace, unloaded, shared")
-    ap.add_argument("--kv-overlap-weight", type=float, default=None, help="frontend kv_overlap_weight (default: the frontend's)")
-    ap.add_argument("--kv-reuse-weight", type=float, default=None, help="frontend kv_reuse_weight (default: the frontend's)")
+    ap.add_argument("--kv-overlap-weight", type=float, default=None, help="frontend.router.kv.overlap_weight (default: the frontend's)")
+    ap.add_argument("--kv-reuse-weight", type=float, default=None, help="frontend.router.kv.reuse_weight (default: the frontend's)")
     ap.add_argument("--reuse-weights", default="", help="sweep: also run kv once per reuse weight, e.g. 1,2,4")
     ap.add_argument("--overlap-weights", default="", help="sweep: also run kv once per weight, e.g. 0.5,1,2,4,8")
-    ap.add_argument("--kv-request-weight", type=float, default=None, help="frontend kv_request_weight (default: the frontend's)")
+    ap.add_argument("--kv-request-weight", type=float, default=None, help="frontend.router.kv.request_weight (default: the frontend's)")
     ap.add_argument("--kv-pairs", default="",
                     help="sweep: also run kv once per overlap:reuse[:request[:pending_ttl_s[:drain]]] setting, e.g. "
-                         "8:16,16:8:16:0,16:8:16:10:1 (drain 0|1: kv_prefill_drain; the frontend's for what is not given)")
+                         "8:16,16:8:16:0,16:8:16:10:1 (drain 0|1: router.kv.prefill_drain; the frontend's for what is not given)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds of every run, interleaved (kv, round-robin, kv, ...), each on a fresh cluster; the "
                          "report gives per-policy medians and the per-round kv/round-robin ratios")
@@ -835,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     OUT = args.out
     out = asyncio.run(amain(args))
-    cmd = "kvyard bench routing " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m benchmarks routing " + " ".join(argv if argv is not None else sys.argv[1:])
     out["command"] = cmd
     write_report(out, cmd)
     return 0

@@ -2,7 +2,7 @@
 
 The issue's target is read at "a stated request rate where round-robin's TTFT p90 is at least 3× its unloaded
 value": kv's TTFT p90 at most a third of round-robin's. Both p90s move with the rate, and round-robin's swings from
-round to round near saturation, so one rate and one round say little. This runs `kvyard bench routing` (kv and
+round to round near saturation, so one rate and one round say little. This runs `python -m benchmarks routing` (kv and
 round-robin only, fresh clusters, `--repeats` rounds each) at every trace compression given, measures round-robin's
 unloaded p90 once (the first compression's run), and writes one table and one plot:
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.histdelta import hist_delta
-from benchmarks.procs import KvyardCluster, RedisServer, cpu_seconds, descendants, rss_and_fds
+from orchestrator.testing.procs import KvyardCluster, RedisServer, cpu_seconds, descendants, rss_and_fds
 
 MODEL = "soak"
 RESULTS = Path(__file__).resolve().parent / "results"

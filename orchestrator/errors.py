@@ -20,7 +20,11 @@ Body: {"error": {"message", "type", "param", "code"}} — the shape the OpenAI c
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "UpstreamError",
     "error_response",
     "error_body",
+    "install_error_handlers",
 ]
 
 
@@ -126,3 +131,26 @@ def error_response(exc: KvyardError) -> Response:
     if exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, int(round(exc.retry_after))))
     return Response(json.dumps(error_body(exc)), status_code=exc.status, media_type="application/json", headers=headers)
+
+
+def install_error_handlers(app: FastAPI, on_error: Callable[[Request, KvyardError], None] | None = None) -> None:
+    """Every error the app raises leaves as OpenAI error JSON: ours as they are, FastAPI's validation errors as 400,
+    Starlette's HTTP errors (404 for an unknown route, 405, ...) with their status. `on_error` sees ours (metrics)."""
+
+    @app.exception_handler(KvyardError)
+    async def _kvyard_error(request: Request, exc: KvyardError) -> Response:
+        if on_error is not None:
+            on_error(request, exc)
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(BadRequestError(str(exc.errors()[:1])))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            return error_response(ModelNotFoundError(f"no route {request.method} {request.url.path}", code="not_found"))
+        err = KvyardError(str(exc.detail))
+        err.status, err.type, err.code = exc.status_code, "invalid_request_error", None
+        return error_response(err)

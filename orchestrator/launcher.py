@@ -14,20 +14,22 @@ from pathlib import Path
 
 from orchestrator.config import ClusterConfig
 from workers.discovery import Discovery
-from workers.registry import get_backend
+from workers.registry import create_backend
 from workers.vllm.features import lora_launch
 from orchestrator.disagg.launch import pd_launch
 from workers.process import cpus_but_first
 from workers.types import EngineLaunchConfig, WorkerRole
 from workers.worker import WorkerOptions, WorkerSupervisor
 
-__all__ = ["LocalCluster", "default_tokenizer", "engine_config", "port_is_free"]
+__all__ = ["LocalCluster", "default_tokenizer", "device_of", "engine_config", "port_is_free"]
 
 log = logging.getLogger("kvyard.launcher")
 
 
-def default_tokenizer(backend: str, model: str) -> str | None:
-    """Where the frontend finds the tokenizer of `model` served by `backend`."""
+def default_tokenizer(backend: str, model: str, tokenizer: str | None = None) -> str | None:
+    """Where the frontend finds the tokenizer of `model` served by `backend` (`tokenizer`: the user's choice)."""
+    if tokenizer:
+        return tokenizer
     if backend == "sim":
         from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR
 
@@ -58,14 +60,22 @@ def engine_config(c: ClusterConfig, port: int, kv_events_endpoint: str | None, k
         extra = lora_args + extra  # the cluster's own engine_args come later and win
     return EngineLaunchConfig(model=c.model, served_model_name=c.served_model_name, host=host, port=port, block_size=c.block_size,
                               max_model_len=c.max_model_len, kv_events_endpoint=kv_events_endpoint,
-                              kv_replay_endpoint=kv_replay_endpoint, extra_args=extra, cpus=c.engine_cpus, env=env)
+                              kv_replay_endpoint=kv_replay_endpoint, extra_args=extra, cpus=c.engine_cpus,
+                              engine_cmd=list(c.engine_cmd) if c.engine_cmd else None, env=env)
+
+
+def device_of(requested: str | None) -> str:
+    """cpu | cuda: the one asked for, else cuda when nvidia-smi is on PATH."""
+    import shutil
+
+    return requested or ("cuda" if shutil.which("nvidia-smi") else "cpu")
 
 
 class LocalCluster:
     def __init__(self, cfg: ClusterConfig, discovery: Discovery) -> None:
         self.cfg = cfg
         self.discovery = discovery
-        self.backend = get_backend(cfg.backend)
+        self.backend = create_backend(cfg.backend, device_of(None if cfg.device == "auto" else cfg.device))
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvyard-"))
         self.supervisors: list[WorkerSupervisor] = []
         self._running: dict[WorkerSupervisor, asyncio.Task] = {}  # each started worker's run loop (lease renewal)
@@ -100,6 +110,7 @@ class LocalCluster:
     def make_supervisor(self, i: int, role: WorkerRole, tokenizer: str | None) -> WorkerSupervisor:
         """Worker i in `role`: its engine gets the flavor's hand-off flags (orchestrator/disagg/launch.py)."""
         cfg = self._engine_cfg(i)
+        cfg.role = role.value
         pd = pd_launch(self.cfg.backend, self.cfg.flavor, role, kv_buffer_device="cpu" if self.vllm_on_cpu else None)
         cfg.extra_args += pd.extra_args
         cfg.env.update(pd.env)
@@ -124,7 +135,7 @@ class LocalCluster:
                         "without pause) and may run on every CPU here, the frontend's too: on a small host requests and "
                         "leases then time out. Give the engines their own CPUs with --engine-cpus (here: %s).",
                         cpus_but_first() or "none to spare, this host has one CPU")
-        tok = default_tokenizer(self.cfg.backend, self.cfg.model)
+        tok = default_tokenizer(self.cfg.backend, self.cfg.model, self.cfg.tokenizer)
         self.cfg.log_dir.mkdir(parents=True, exist_ok=True)
         for i, role in enumerate(self.roles()):
             self.supervisors.append(self.make_supervisor(i, role, tok))

@@ -19,7 +19,7 @@ __all__ = ["local_connector"]
 
 def local_connector(cluster: LocalCluster) -> LocalConnector:
     cfg = cluster.cfg
-    tok = default_tokenizer(cfg.backend, cfg.model)
+    tok = default_tokenizer(cfg.backend, cfg.model, cfg.tokenizer)
 
     def factory(pool: PoolKey, i: int) -> WorkerSupervisor:
         return cluster.make_supervisor(i, WorkerRole(pool.role), tok)  # a prefill/decode worker gets its hand-off flags too

@@ -25,7 +25,7 @@ from router import Endpoint, EndpointLoad, Router
 from router.events import KvEventIngestor
 from workers.discovery import Discovery, DiscoveryError, files_digest
 from workers.registry import get_backend
-from workers.types import EngineMetrics, WorkerInfo, WorkerState
+from workers.types import EngineMetrics, WorkerFailure, WorkerInfo, WorkerState
 
 __all__ = ["WorkerPool", "LiveWorker"]
 
@@ -52,6 +52,7 @@ class WorkerPool:
         self.refresh_interval_s = refresh_interval_s
         self.scrape_interval_s = scrape_interval_s
         self.workers: dict[str, LiveWorker] = {}
+        self.failures: list[WorkerFailure] = []  # workers that gave up (reported to discovery), newest first
         self.known_models: set[str] = set()
         self.discovery_ok = True
         self.ingestor = ingestor  # feeds the router's KV index from each worker's KV events
@@ -92,6 +93,10 @@ class WorkerPool:
             self.discovery_ok = False
             return
         self.discovery_ok = True
+        try:
+            self.failures = await self.discovery.list_failures()
+        except (DiscoveryError, AttributeError):  # AttributeError: a Discovery without failure reports
+            pass
         seen = {i.worker_id for i in infos}
         for wid in [w for w in self.workers if w not in seen]:
             log.info("worker %s left", wid)
@@ -151,8 +156,9 @@ class WorkerPool:
 
     async def _scrape_one(self, live: LiveWorker) -> None:
         try:
-            r = await self._client.get(live.info.url + "/metrics")
-            live.metrics = get_backend(live.info.backend).parse_metrics(r.text)
+            backend = get_backend(live.info.backend)
+            r = await self._client.get(live.info.url + backend.metrics_path)
+            live.metrics = backend.parse_metrics(r.text)
             live.scrape_errors = 0
         except (httpx.HTTPError, KeyError) as exc:
             live.scrape_errors += 1

@@ -15,6 +15,9 @@ from orchestrator.errors import BadRequestError
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions", "parse_request"]
 
 
+MAX_TOKEN_ID = 1 << 31  # token ids are hashed as unsigned 32-bit; no vocabulary comes near this
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
@@ -45,6 +48,12 @@ class CompletionRequest(_Base):
     def _non_empty(cls, v: Any) -> Any:
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and v and not isinstance(v[0], str):  # token ids: what an engine's vocabulary can hold
+            for ids in (v if isinstance(v[0], list) else [v]):
+                if not ids:
+                    raise ValueError("a token-id prompt must not be empty")
+                if min(ids) < 0 or max(ids) >= MAX_TOKEN_ID:
+                    raise ValueError(f"token ids must be integers from 0 to {MAX_TOKEN_ID - 1}")
         return v
 
     def requested_max_tokens(self) -> int | None:

@@ -88,10 +88,11 @@ class RayCluster:
     def spec_for(self, pool: PoolKey, i: int) -> WorkerSpec:
         c = self.cfg
         engine = engine_config(c, 0, AUTO, AUTO, host=self.opts.engine_host)
+        engine.role = pool.role
         wid = f"{c.backend}-ray-{self.run_id}-{i}"
         return WorkerSpec(backend=c.backend, engine=engine, role=pool.role, redis_url=self.redis_url, discovery_prefix=self.prefix,
-                          discovery_hub=self._hub, worker_id=wid, tokenizer=default_tokenizer(c.backend, c.model),
-                          labels={"ray_run": self.run_id}, device=None,
+                          discovery_hub=self._hub, worker_id=wid, tokenizer=default_tokenizer(c.backend, c.model, c.tokenizer),
+                          labels={"ray_run": self.run_id}, device=None if c.device == "auto" else c.device,
                           log_path=str((c.log_dir / f"{wid}.log").resolve()) if self.local else None)
 
     async def start(self) -> None:

@@ -130,13 +130,14 @@ class InferenceService:
         self.pool = pool
         self.router = router
         self.metrics = metrics
-        self.client = EngineClient(cfg.connect_timeout_s)
+        self.client = EngineClient(cfg.resilience.connect_timeout_s)
         self.telemetry: FrontendTelemetry | None = None  # set by the app when telemetry is on
         self.rng = random.Random()
-        self.breakers = BreakerBoard(cfg.breaker_failure_threshold, cfg.breaker_open_s, cfg.breaker_max_open_s,
+        rc, ac = cfg.resilience, cfg.admission
+        self.breakers = BreakerBoard(rc.breaker_failure_threshold, rc.breaker_open_s, rc.breaker_max_open_s,
                                      probe=self._probe, on_change=self._breaker_changed)
         self.admission = AdmissionController(
-            cfg.max_inflight_per_model, cfg.max_queued_per_model, cfg.admission_timeout_s, cfg.retry_after_s,
+            ac.max_inflight_per_model, ac.max_queued_per_model, ac.timeout_s, rc.retry_after_s,
             saturated=self.fleet_saturated, recheck_s=min(0.25, cfg.scrape_interval_s),
             on_reject=lambda model, reason: metrics.admission_rejected.labels(model, reason).inc(),
             on_queue=lambda model, depth: metrics.admission_queue.labels(model).set(depth), fair=cfg.fair_share.enabled)
@@ -160,18 +161,30 @@ class InferenceService:
     def _start_probes(self) -> None:
         if not self._probing:  # lazily, inside the running loop
             self._probing = True
-            self.breakers.start(min(1.0, self.cfg.breaker_open_s / 2))
+            self.breakers.start(min(1.0, self.cfg.resilience.breaker_open_s / 2))
 
     async def _probe(self, worker_id: str) -> bool:
         self.breakers.prune(set(self.pool.workers))
         live = self.pool.workers.get(worker_id)
         if live is None:
             return False
-        return await self.client.healthy(live.info.url + "/health", self.cfg.health_probe_timeout_s)
+        return await self.client.healthy(live.info.url + "/health", self.cfg.resilience.health_probe_timeout_s)
 
     def _breaker_changed(self, worker_id: str, state: BreakerState) -> None:
         self.metrics.breaker_state.labels(worker_id).set(int(state))
         self.metrics.breaker_transitions.labels(worker_id, state.name.lower()).inc()
+
+    def allows(self, worker_id: str) -> bool:
+        """The worker's circuit breaker lets a request through now (EngineSender, for the disagg coordinator)."""
+        return self.breakers.allows(worker_id)
+
+    def report_failure(self, worker_id: str, reason: str) -> None:
+        """A failure seen outside this service's own sends (a disagg prefill) counts against the worker's breaker."""
+        self.breakers.failure(worker_id, reason)
+
+    @property
+    def retry_after_s(self) -> float:
+        return self.cfg.resilience.retry_after_s
 
     def routable(self, model: str) -> list[Endpoint]:
         """Ready endpoints of the model whose circuit breaker is closed."""
@@ -183,7 +196,7 @@ class InferenceService:
         if not ws or any(w.metrics is None for w in ws):
             return False
         return all(worker_saturated(w.metrics.kv_cache_usage, w.metrics.num_requests_waiting,
-                                    self.cfg.saturation_kv_usage, self.cfg.saturation_waiting) for w in ws)
+                                    self.cfg.admission.saturation_kv_usage, self.cfg.admission.saturation_waiting) for w in ws)
 
     # ---- request admission -------------------------------------------------------------------
 
@@ -298,7 +311,7 @@ class InferenceService:
                 # knowing no worker at all (just started, or the registry was emptied by a Redis restart while the
                 # workers re-register), or cut off from discovery, the frontend cannot tell a wrong name from a fleet
                 # on its way: retryable 503, not a 404 that tells the client the model does not exist
-                raise ServiceUnavailableError(f"no worker of `{model}` is known yet; retry shortly", retry_after=self.cfg.retry_after_s)
+                raise ServiceUnavailableError(f"no worker of `{model}` is known yet; retry shortly", retry_after=self.cfg.resilience.retry_after_s)
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
         ids, mm_items = self._prompt_ids(req, info)
         self._check_lengths(req, ids, info)
@@ -311,7 +324,7 @@ class InferenceService:
         try:
             endpoints = self.routable(model)
             if not endpoints and self.pool.endpoints(model):
-                wait = max(self.cfg.retry_after_s, self.breakers.retry_after_s())
+                wait = max(self.cfg.resilience.retry_after_s, self.breakers.retry_after_s())
                 raise ServiceUnavailableError(f"every worker of `{model}` is failing its health checks; retry shortly", retry_after=wait)
             rreq = RouteRequest(request_id=rid, model=model, token_ids=ids, max_tokens=max_tokens or 0, session_id=session_id,
                                 lora_name=adapter.name if adapter is not None else None, mm_items=tuple(mm_items))
@@ -323,7 +336,7 @@ class InferenceService:
             try:
                 decision = disagg.route_decode(rreq, endpoints) if disagg else self.router.route(rreq, endpoints)
             except NoEndpointsError as exc:
-                raise ServiceUnavailableError(f"no worker is ready to serve `{model}`; retry shortly", retry_after=self.cfg.retry_after_s) from exc
+                raise ServiceUnavailableError(f"no worker is ready to serve `{model}`; retry shortly", retry_after=self.cfg.resilience.retry_after_s) from exc
             booked = True
             if adapter is not None:  # the first worker that has, or now loads, the adapter (orchestrator/lora.py)
                 await self._prepare_adapter(rreq, adapter, decision)
@@ -336,7 +349,7 @@ class InferenceService:
         if self.telemetry is not None:
             self.telemetry.on_arrival(model)
         self.metrics.isl.labels(model).observe(len(ids))
-        blocker = migration_blocker(kind, body, bool(ids)) if self.cfg.max_migrations else "migration disabled"
+        blocker = migration_blocker(kind, body, bool(ids)) if self.cfg.resilience.max_migrations else "migration disabled"
         strip_ids = False
         send_body = body
         if req.stream:
@@ -349,13 +362,13 @@ class InferenceService:
         payload = json.dumps(send_body).encode()
         d = Dispatched(rreq, endpoints[0], None, req.stream, req.include_usage, t0, kind=kind, path=path, body=body,  # type: ignore[arg-type]
                        payload=payload, prompt_ids=ids, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
-                       deadline=t0 + self.cfg.request_timeout_s, ticket=ticket)
+                       deadline=t0 + self.cfg.resilience.request_timeout_s, ticket=ticket)
         self.metrics.inflight.labels(model).inc()
         try:
             if disagg:  # the disagg hook: prefill remotely (or not), then the decode response is relayed as usual
-                d.endpoint, d.resp = await disagg.send(self, rreq, send_body, payload, decision, path, req.stream)
+                d.endpoint, d.resp = await disagg.send(rreq, send_body, payload, decision, path, req.stream)
             else:
-                d.endpoint, d.resp = await self._send(rreq, decision.ranked, path, payload, req.stream, d)
+                d.endpoint, d.resp = await self.send_ranked(rreq, decision.ranked, path, payload, req.stream, d)
         except BaseException:
             self._finish(rreq, t0, "error", ticket=ticket)
             raise
@@ -401,7 +414,7 @@ class InferenceService:
     def _remaining(self, d: "Dispatched | _Standalone") -> float:
         return d.deadline - time.perf_counter()
 
-    async def _send(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes, stream: bool,
+    async def send_ranked(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes, stream: bool,
                     d: Dispatched | None = None):
         """POST to the ranked engines in turn until one answers below 500.
 
@@ -410,9 +423,9 @@ class InferenceService:
         (`d` carries the request's deadline and the workers that already failed it).
         """
         if d is None:
-            d = _Standalone(deadline=time.perf_counter() + self.cfg.request_timeout_s)
+            d = _Standalone(deadline=time.perf_counter() + self.cfg.resilience.request_timeout_s)
         last_error = "no engine answered"
-        cfg = self.cfg
+        cfg = self.cfg.resilience
         read_timeout = cfg.stream_idle_timeout_s if stream else cfg.first_byte_timeout_s
         headers_timeout = cfg.stream_headers_timeout_s if stream else None
         headers = {"content-type": "application/json", "x-request-id": rreq.request_id}
@@ -554,7 +567,7 @@ class InferenceService:
         self.router.on_complete(d.rreq.request_id)
         try:
             decision = self.router.route(d.rreq, endpoints)
-            d.endpoint, d.resp = await self._send(d.rreq, decision.ranked, d.path, d.payload, True, d)
+            d.endpoint, d.resp = await self.send_ranked(d.rreq, decision.ranked, d.path, d.payload, True, d)
         except (NoEndpointsError, ServiceUnavailableError) as exc:
             raise _Ended(f"the engine stream failed and no other worker could take it: {exc}") from exc
         self.metrics.retries.labels(d.rreq.model).inc()
@@ -592,11 +605,11 @@ class InferenceService:
                 tail += usage_event(d.kind, tracker, prompt_tokens, n_gen) + b"\n\n"
             outcome.labels(model, "finished").inc()
             return tail + _DONE_EVENT, rewriter
-        if migrations >= self.cfg.max_migrations:
-            raise end("exhausted", f"the engine stream failed {migrations + 1} times; giving up (max_migrations={self.cfg.max_migrations})")
+        if migrations >= self.cfg.resilience.max_migrations:
+            raise end("exhausted", f"the engine stream failed {migrations + 1} times; giving up (max_migrations={self.cfg.resilience.max_migrations})")
         if self._remaining(d) <= 0:
             self.metrics.deadline_exceeded.labels(model).inc()
-            raise end("exhausted", f"the request deadline of {self.cfg.request_timeout_s:g}s passed")
+            raise end("exhausted", f"the request deadline of {self.cfg.resilience.request_timeout_s:g}s passed")
         endpoints = self._adapter_holders(d.rreq, [e for e in self.routable(model) if e.worker_id not in d.failed])
         if not endpoints:
             raise end("exhausted", "the engine stream failed mid-way and no other worker is available to continue it")
@@ -608,7 +621,7 @@ class InferenceService:
         self.router.on_complete(d.rreq.request_id)
         try:
             decision = self.router.route(rreq, endpoints)
-            ep, resp = await self._send(rreq, decision.ranked, CONTINUATION_PATH, payload, True, d)
+            ep, resp = await self.send_ranked(rreq, decision.ranked, CONTINUATION_PATH, payload, True, d)
         except (NoEndpointsError, ServiceUnavailableError) as exc:
             raise end("failed", f"the engine stream failed mid-way and could not be continued: {exc}") from exc
         if resp.status_code >= 400:
@@ -646,7 +659,7 @@ class InferenceService:
         rreq, t0 = d.rreq, d.t0
         status = "ok"
         try:
-            for _ in range(self.cfg.max_attempts):
+            for _ in range(self.cfg.resilience.max_attempts):
                 try:
                     content = await d.resp.aread()
                     break
@@ -657,16 +670,16 @@ class InferenceService:
                     endpoints = self._adapter_holders(rreq, [e for e in self.routable(rreq.model) if e.worker_id not in d.failed])
                     if not endpoints or self._remaining(d) <= 0:
                         raise ServiceUnavailableError(f"the engine failed mid-response: {type(exc).__name__}",
-                                                      retry_after=self.cfg.retry_after_s) from exc
+                                                      retry_after=self.cfg.resilience.retry_after_s) from exc
                     self.router.on_complete(rreq.request_id)
                     try:
                         decision = self.router.route(rreq, endpoints)
                     except NoEndpointsError as exc2:
-                        raise ServiceUnavailableError("no worker is left to serve the request", retry_after=self.cfg.retry_after_s) from exc2
-                    d.endpoint, d.resp = await self._send(rreq, decision.ranked, d.path, d.payload, False, d)
+                        raise ServiceUnavailableError("no worker is left to serve the request", retry_after=self.cfg.resilience.retry_after_s) from exc2
+                    d.endpoint, d.resp = await self.send_ranked(rreq, decision.ranked, d.path, d.payload, False, d)
                     self.metrics.retries.labels(rreq.model).inc()
             else:
-                raise ServiceUnavailableError("the engines failed mid-response", retry_after=self.cfg.retry_after_s)
+                raise ServiceUnavailableError("the engines failed mid-response", retry_after=self.cfg.resilience.retry_after_s)
         except BaseException as exc:
             status = "engine_error" if isinstance(exc, KvyardError) else "cancelled"
             raise

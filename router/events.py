@@ -70,6 +70,8 @@ class _Source:
         self.stream = EventStream(info.worker_id, owner.index, replayable=bool(info.kv_replay_endpoint) and fmt != "trtllm")
         self._logged_at = 0.0
         self._suppressed = 0
+        self.malformed = 0  # messages skipped before decoding (bad frames) and unreadable polled events
+        self.last_error: str | None = None  # the newest complaint, shown on /api/cluster
         self.task: asyncio.Task | None = None
 
     @staticmethod
@@ -78,6 +80,7 @@ class _Source:
         return (fmt, info.kv_events_endpoint, info.kv_replay_endpoint, info.kv_events_topic, info.url if fmt == "trtllm" else None)
 
     def complain(self, what: str) -> None:
+        self.last_error = what
         now = time.monotonic()
         if now - self._logged_at < self.owner.log_interval_s:
             self._suppressed += 1
@@ -89,7 +92,7 @@ class _Source:
     def decode(self, seq: int, payload: bytes) -> KvEventBatch | None:
         try:
             return self.codec.decode_payload(payload, seq)
-        except KvEventDecodeError as exc:
+        except KvEventDecodeError as exc:  # counted by the stream as undecodable
             self.complain(f"skipped undecodable KV event batch {seq}: {exc}")
             return None
 
@@ -143,11 +146,13 @@ class _Source:
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
+            self.malformed += 1
             self.complain(f"skipped a KV event message of {len(frames)} frames (expected 3)")
             return
         try:
             seq = _seq(frames[1])
         except KvEventDecodeError as exc:
+            self.malformed += 1
             self.complain(f"skipped a KV event message: {exc}")
             return
         batch = self.decode(seq, frames[2])
@@ -198,6 +203,7 @@ class _Source:
                 continue
             for item in items:
                 if isinstance(item, KvEventDecodeError):
+                    self.malformed += 1
                     self.complain(f"skipped an undecodable KV event: {item}")
                 else:
                     self.feed(item.seq, item)
@@ -280,8 +286,10 @@ class KvEventIngestor:
             self.index.expire()
 
     def stats(self) -> dict[str, dict]:
-        """Per worker: last sequence applied and counters (batches, events, rejected, replays, purges...)."""
-        return {wid: {"format": s.fmt, "last_seq": s.stream.last, **asdict(s.stream.stats)} for wid, s in self.sources.items()}
+        """Per worker: last sequence applied, counters (batches, events, rejected, undecodable, replays, purges, malformed...)
+        and the newest problem (last_error, None while all is well)."""
+        return {wid: {"format": s.fmt, "last_seq": s.stream.last, **asdict(s.stream.stats), "malformed": s.malformed,
+                      "last_error": s.last_error} for wid, s in self.sources.items()}
 
     async def close(self) -> None:
         tasks = [s.task for s in self.sources.values() if s.task is not None]

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 
 from router._kernels import MaskTable
+from router.config import KV_DEFAULTS
 from router.errors import BlockHashError, KvEventRejected
 from router.hashing import block_hashes
 from router.mm_hashing import mm_block_hashes
@@ -85,7 +86,7 @@ class KvIndex:
         auto_approximate: bool = True,
         silent_warn_after: int = 50,
         clock: Callable[[], float] = time.monotonic,
-        pending_ttl_s: float = 10.0,
+        pending_ttl_s: float = KV_DEFAULTS.pending_ttl_s,
     ) -> None:
         self.approx_ttl_s = approx_ttl_s
         self.approx_max_blocks = approx_max_blocks

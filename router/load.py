@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from router.config import KV_DEFAULTS
 from router.types import EndpointLoad
 
 __all__ = ["LoadTracker"]
@@ -66,7 +68,7 @@ ADVANCE_EVERY_S = 0.002
 
 
 class LoadTracker:
-    def __init__(self, ttl_s: float = 300.0, drain: bool = False) -> None:
+    def __init__(self, ttl_s: float = 300.0, drain: bool = KV_DEFAULTS.prefill_drain) -> None:
         self.ttl_s = ttl_s
         self.drain = drain
         self._active: dict[str, _Active] = {}
@@ -82,7 +84,11 @@ class LoadTracker:
 
     def peek(self, worker_id: str) -> EndpointLoad | None:
         """The worker's load if anything was ever booked on it (no entry is created)."""
-        return self._loads.get(worker_id)  # Router binds self._loads.get directly on its hot path
+        return self._loads.get(worker_id)
+
+    def booked(self) -> Mapping[str, EndpointLoad]:
+        """Every worker's load by id, live (not a copy): the router merges it into endpoints on its hot path."""
+        return self._loads
 
     def on_routed(
         self, request_id: str, worker_id: str, prompt_tokens: int, block_size: int, now: float | None = None, cached_tokens: int = 0

@@ -6,9 +6,9 @@
     least-loaded       load (1.0)           max-score (random tie-break)   -
     kv                 kv cost (1.0)        max-score, or softmax(T > 0)   KvIndex
 
-kv parameters: overlap_weight (1.0), reuse_weight (1.0), request_weight (0.0), temperature (0.0), index (a KvIndex to share, e.g. with the
-event ingestor; a new one by default, with `pending_ttl_s` when given), seed (picker RNG, for tests). Factories are the single
-table of names.
+kv parameters: overlap_weight, reuse_weight, request_weight, temperature, pending_ttl_s (defaults: router/config.py, the
+served defaults), index (a KvIndex to share, e.g. with the event ingestor; a new one by default), seed (picker RNG, for
+tests). Factories are the single table of names.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.config import KV_DEFAULTS
 from router.interfaces import Picker, Scorer
 from router.kv_index import KvIndex
 from router.plugins import KvCostScorer, LoadScorer, MaxScorePicker, RandomPicker, RoundRobinPicker, SoftmaxPicker
@@ -32,13 +33,12 @@ class Policy:
     index: KvIndex | None = None  # set when the policy routes on cached prefixes
 
 
-def _kv(overlap_weight: float = 1.0, temperature: float = 0.0, index: KvIndex | None = None, seed: int | None = None,
-        reuse_weight: float = 1.0, request_weight: float = 0.0, pending_ttl_s: float | None = None) -> Policy:
+def _kv(overlap_weight: float = KV_DEFAULTS.overlap_weight, temperature: float = KV_DEFAULTS.temperature,
+        index: KvIndex | None = None, seed: int | None = None, reuse_weight: float = KV_DEFAULTS.reuse_weight,
+        request_weight: float = KV_DEFAULTS.request_weight, pending_ttl_s: float = KV_DEFAULTS.pending_ttl_s) -> Policy:
     picker = SoftmaxPicker(temperature, seed) if temperature > 0 else MaxScorePicker(seed)
     scorer = KvCostScorer(overlap_weight, reuse_weight, request_weight)
-    if index is None:
-        index = KvIndex() if pending_ttl_s is None else KvIndex(pending_ttl_s=pending_ttl_s)
-    return Policy("kv", picker, [(scorer, 1.0)], index)
+    return Policy("kv", picker, [(scorer, 1.0)], KvIndex(pending_ttl_s=pending_ttl_s) if index is None else index)
 
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {

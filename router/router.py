@@ -106,7 +106,7 @@ class Router:
 
     def _merge_loads(self, endpoints: list[Endpoint]) -> None:
         """Each endpoint's load = the router's own bookkeeping + the engine fields of its last scrape."""
-        _kernels.merge_loads(endpoints if type(endpoints) is list else list(endpoints), self.loads._loads)
+        _kernels.merge_loads(endpoints if type(endpoints) is list else list(endpoints), self.loads.booked())
 
     def _match_prefix(self, request: RouteRequest, block_size: int) -> None:
         if request.block_hashes is None or request.hashed_block_size != block_size:

@@ -10,6 +10,8 @@ Redis schema (prefix defaults to "kvyard"):
                                           published by workers so frontends on other hosts can tokenize
     {prefix}:epoch                STRING  a random id set (NX, no expiry) by the first lister after the
                                           registry's data appeared; a new value means Redis lost its data
+    {prefix}:failure:{worker_id}  STRING  WorkerFailure as JSON (PX = FAILURE_TTL_S): why a worker gave up
+    {prefix}:failures             SET     worker ids with a failure report (pruned when listed)
 A lease is renewed by re-setting the key's expiry; a worker whose process dies stops renewing and
 its key expires, so `list_workers` stops returning it within one ttl. Stale set members are pruned
 when listed.
@@ -32,11 +34,13 @@ import uuid
 import zlib
 from typing import Protocol, runtime_checkable
 
-from workers.types import WorkerInfo, WorkerState
+from workers.types import WorkerFailure, WorkerInfo, WorkerState
 
-__all__ = ["Discovery", "DiscoveryError", "InMemoryDiscovery", "RedisDiscovery", "files_digest"]
+__all__ = ["FAILURE_TTL_S", "Discovery", "DiscoveryError", "InMemoryDiscovery", "RedisDiscovery", "files_digest"]
 
 log = logging.getLogger("kvyard.discovery")
+
+FAILURE_TTL_S = 3600.0  # how long a worker's failure report stays on /api/cluster
 
 
 class DiscoveryError(RuntimeError):
@@ -73,6 +77,14 @@ class Discovery(Protocol):
         """Called by a frontend that cannot read the worker's tokenizer path; {} if none published."""
         ...
 
+    async def report_failure(self, failure: WorkerFailure, ttl_s: float = FAILURE_TTL_S) -> None:
+        """Called by a worker that gives up (engine exited, never healthy, unreadable KV events), before it exits."""
+        ...
+
+    async def list_failures(self) -> list[WorkerFailure]:
+        """Called by frontends on each refresh: the failures reported in the last ttl_s, newest first."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -87,6 +99,16 @@ class InMemoryDiscovery:
     def __init__(self) -> None:
         self._entries: dict[str, tuple[WorkerInfo, float]] = {}
         self._files: dict[str, dict[str, bytes]] = {}
+        self._failures: dict[str, tuple[WorkerFailure, float]] = {}
+
+    async def report_failure(self, failure: WorkerFailure, ttl_s: float = FAILURE_TTL_S) -> None:
+        self._failures[failure.worker_id] = (failure.model_copy(), time.monotonic() + ttl_s)
+
+    async def list_failures(self) -> list[WorkerFailure]:
+        now = time.monotonic()
+        for wid in [w for w, (_, exp) in self._failures.items() if exp < now]:
+            del self._failures[wid]
+        return sorted((f.model_copy() for f, _ in self._failures.values()), key=lambda f: -f.at)
 
     async def publish_files(self, model: str, files: dict[str, bytes]) -> None:
         self._files[model] = dict(files)
@@ -247,6 +269,27 @@ class RedisDiscovery:
             except zlib.error:
                 return {}  # a damaged upload: behave as if none were published
         return out
+
+    async def report_failure(self, failure: WorkerFailure, ttl_s: float = FAILURE_TTL_S) -> None:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(f"{self._prefix}:failure:{failure.worker_id}", failure.model_dump_json(), px=int(ttl_s * 1000))
+        pipe.sadd(f"{self._prefix}:failures", failure.worker_id)
+        await self._call(pipe.execute())
+
+    async def list_failures(self) -> list[WorkerFailure]:
+        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in await self._call(self._redis.smembers(f"{self._prefix}:failures")))
+        if not ids:
+            return []
+        raws = await self._call(self._redis.mget([f"{self._prefix}:failure:{w}" for w in ids]))
+        out, gone = [], []
+        for wid, raw in zip(ids, raws):
+            try:
+                out.append(WorkerFailure.model_validate_json(raw)) if raw is not None else gone.append(wid)
+            except ValueError:
+                gone.append(wid)
+        if gone:
+            await self._call(self._redis.srem(f"{self._prefix}:failures", *gone))
+        return sorted(out, key=lambda f: -f.at)
 
     async def close(self) -> None:
         await self._redis.aclose()

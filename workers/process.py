@@ -10,7 +10,10 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import httpx
@@ -49,6 +52,9 @@ def cpus_but_first() -> str | None:
     return ",".join(map(str, rest)) if rest else None
 
 
+TAIL_LINES = 40
+
+
 class EngineStartError(RuntimeError):
     """The engine exited or never became healthy; the message carries the tail of its log."""
 
@@ -60,6 +66,7 @@ class EngineProcess:
         self.log_path = Path(log_path) if log_path else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file = None
+        self._tail: deque[str] = deque(maxlen=TAIL_LINES)  # without a log file: the engine's last lines of output
 
     @property
     def url(self) -> str:
@@ -75,6 +82,9 @@ class EngineProcess:
 
     def start(self) -> None:
         spec = self.backend.launch_spec(self.cfg)
+        for path, text in spec.files.items():  # e.g. TRT-LLM's --extra_llm_api_options YAML
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
         # PYTHONHASHSEED would silently re-seed vLLM's block-hash chain: the engine gets it only if the spec sets it
         inherited = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
         env = {**inherited, **spec.env}
@@ -82,8 +92,8 @@ class EngineProcess:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
             out = self._log_file
-        else:  # no log file (`kvyard worker`): the engine writes where this process does (a container's log)
-            out = None
+        else:  # no log file (`kvyard worker`): the engine's output goes on to this process's (a container's log),
+            out = subprocess.PIPE  # through a thread that keeps its last lines for error reports
         cpus = usable_cpus(self.cfg.cpus) if self.cfg.cpus else None
 
         def before_exec() -> None:
@@ -95,10 +105,26 @@ class EngineProcess:
             spec.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=before_exec,
         )
+        if out is subprocess.PIPE:
+            threading.Thread(target=self._forward, args=(self._proc.stdout,), daemon=True, name="engine-output").start()
+
+    def _forward(self, stream) -> None:
+        """Copy the engine's output to ours line by line, keeping the last TAIL_LINES."""
+        sink = getattr(sys.stdout, "buffer", None)
+        for line in iter(stream.readline, b""):
+            self._tail.append(line.decode(errors="replace").rstrip("\n"))
+            if sink is not None:
+                try:
+                    sink.write(line)
+                    sink.flush()
+                except (OSError, ValueError):
+                    sink = None
+        stream.close()
 
     def log_tail(self, n: int = 40) -> str:
         if not self.log_path:
-            return "(no log file: the engine's output is in this process's own output, above)"
+            time.sleep(0.05)  # let the forwarding thread take the last lines of an engine that just exited
+            return "\n".join(list(self._tail)[-n:]) or "(the engine printed nothing)"
         if not self.log_path.exists():
             return "(no log)"
         lines = self.log_path.read_text(errors="replace").splitlines()

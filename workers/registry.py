@@ -6,10 +6,14 @@ import importlib
 
 from workers.backend import Backend
 
-__all__ = ["get_backend", "backend_names"]
+__all__ = ["get_backend", "backend_names", "create_backend", "DEVICE_BACKENDS"]
+
+DEVICE_BACKENDS = ("vllm", "sglang")  # backends whose command line depends on the device (cpu | cuda)
 
 _BACKENDS: dict[str, str] = {
     "vllm": "workers.vllm.backend:VllmBackend",
+    "sglang": "workers.sglang.backend:SglangBackend",
+    "trtllm": "workers.trtllm.backend:TrtllmBackend",
     "sim": "workers.sim.backend:SimBackend",
 }
 
@@ -27,3 +31,11 @@ def get_backend(name: str) -> Backend:
         module, _, attr = _BACKENDS[name].partition(":")
         _cache[name] = getattr(importlib.import_module(module), attr)()
     return _cache[name]
+
+
+def create_backend(name: str, device: str | None = None) -> Backend:
+    """A backend for launching engines: `device` (cpu | cuda) for vllm and sglang, else the shared instance."""
+    if device is None or name not in DEVICE_BACKENDS:
+        return get_backend(name)
+    module, _, attr = _BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)(device=device)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-__all__ = ["WorkerRole", "WorkerState", "WorkerInfo", "EngineMetrics", "LaunchSpec", "EngineLaunchConfig"]
+__all__ = ["WorkerRole", "WorkerState", "WorkerInfo", "WorkerFailure", "EngineMetrics", "LaunchSpec", "EngineLaunchConfig"]
 
 
 class WorkerRole(str, enum.Enum):
@@ -38,7 +38,7 @@ class WorkerInfo(BaseModel):
     role: WorkerRole = WorkerRole.BOTH
     url: str  # engine HTTP base URL, e.g. http://127.0.0.1:8100
     block_size: int = 16
-    max_model_len: int = 4096
+    max_model_len: int = 8192
     tokenizer: str | None = None  # local path of a folder holding tokenizer.json (+ tokenizer_config.json)
     kv_events_endpoint: str | None = None  # ZMQ PUB endpoint, as a subscriber connects to it
     kv_replay_endpoint: str | None = None  # ZMQ ROUTER endpoint for replay
@@ -51,6 +51,20 @@ class WorkerInfo(BaseModel):
     state: WorkerState = WorkerState.READY
     started_at: float = Field(default_factory=time.time)
     labels: dict[str, str] = Field(default_factory=dict)
+
+
+class WorkerFailure(BaseModel):
+    """Why a worker stopped serving or never started (its engine exited, never became healthy, or published
+    KV events nobody can read). Reported by the worker before it exits; frontends show it on /api/cluster."""
+
+    worker_id: str
+    backend: str
+    model: str
+    role: WorkerRole = WorkerRole.BOTH
+    url: str | None = None
+    phase: str = "start"  # start (never registered) | serving (was registered, then deregistered)
+    error: str
+    at: float = Field(default_factory=time.time)
 
 
 @dataclass(slots=True)
@@ -77,13 +91,17 @@ class EngineLaunchConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     block_size: int = 16
-    max_model_len: int = 4096
+    max_model_len: int = 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_events_endpoint: str | None = None  # bind endpoint for the engine's PUB socket
     kv_replay_endpoint: str | None = None
     kv_events_topic: str = "kv-events"
-    python: str | None = None  # interpreter that runs the engine (a separate venv for vLLM)
+    python: str | None = None  # interpreter that runs the engine (a separate venv for vLLM / SGLang)
+    # the program that runs the engine, replacing the backend's own (`python -m sglang.launch_server`, `trtllm-serve`,
+    # ...); the backend's flags follow it unchanged. `kvyard worker --engine-cmd`: e.g. the sim playing that engine.
+    engine_cmd: list[str] | None = None
+    role: str = "both"  # the worker's role (both | prefill | decode): TRT-LLM's YAML gets a cache transceiver for P/D
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     # Linux CPUs the engine and every thread and child of it may run on (workers/process.py); None: any CPU.
@@ -113,3 +131,4 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 class LaunchSpec:
     argv: list[str]
     env: dict[str, str]
+    files: dict[str, str] = field(default_factory=dict)  # path -> text, written before the engine starts

@@ -1,11 +1,21 @@
 """The worker process: one engine, registered under a lease, drained on shutdown.
 
 Lifecycle (`kvyard worker`, and each worker of `kvyard up`):
-    start engine -> wait healthy -> register(info, ttl) -> renew every ttl/3
+    start engine -> wait healthy -> [start the KV-event relay] -> register(info, ttl) -> renew every ttl/3
     SIGTERM -> state=draining (frontends stop sending) -> wait until the engine has nothing running
             (or drain_timeout) -> deregister -> stop engine
 If the engine dies, the worker deregisters at once and exits non-zero. If discovery is unreachable,
 the worker keeps serving and keeps retrying the renewal; the lease is re-created when it is back.
+
+Failures are reported, not only logged: an engine that exits while starting, is not healthy within
+start_timeout_s, exits while serving, or whose KV events stay unreadable (the relay gives up) makes
+the worker log the error with the engine's log tail, write a WorkerFailure to discovery (frontends
+show it on /api/cluster), deregister and exit non-zero.
+
+KV-event relay: a backend with `kv_events_transport == "http-relay"` (TensorRT-LLM: its events are
+drained by each read) gets one reader, this process, which republishes them on the worker's KV-event
+endpoint in vLLM's wire format (workers/trtllm/relay.py); the worker registers that endpoint with
+label kv_events_format=vllm, so any number of frontends subscribe as to a vLLM engine.
 """
 
 from __future__ import annotations
@@ -21,8 +31,8 @@ import httpx
 
 from workers.backend import Backend
 from workers.discovery import Discovery, DiscoveryError
-from workers.process import EngineProcess
-from workers.types import EngineLaunchConfig, WorkerInfo, WorkerRole, WorkerState
+from workers.process import EngineProcess, EngineStartError
+from workers.types import EngineLaunchConfig, WorkerFailure, WorkerInfo, WorkerRole, WorkerState
 
 __all__ = ["WorkerSupervisor", "WorkerOptions", "TOKENIZER_FILES"]
 
@@ -57,6 +67,8 @@ class WorkerSupervisor:
         self.worker_id = opts.worker_id or f"{backend.name}-{uuid.uuid4().hex[:8]}"
         self.engine = EngineProcess(backend, cfg, opts.log_path)
         self.info: WorkerInfo | None = None
+        self.relay = None  # workers.trtllm.relay.KvEventRelay when the backend's events need one reader
+        self._relay_task: asyncio.Task | None = None
         self._stop = asyncio.Event()
 
     def _endpoint_for_clients(self, endpoint: str | None) -> str | None:
@@ -67,6 +79,11 @@ class WorkerSupervisor:
 
     def build_info(self) -> WorkerInfo:
         host = self.opts.advertise_host or self.cfg.host
+        labels = dict(self.opts.labels)
+        events, replay = self.cfg.kv_events_endpoint, self.cfg.kv_replay_endpoint
+        if self.relay is not None:
+            labels["kv_events_format"] = "vllm"  # what the relay republishes
+            events, replay = self.relay.endpoint, self.relay.replay_endpoint
         return WorkerInfo(
             worker_id=self.worker_id,
             model=self.cfg.served_model_name,
@@ -76,23 +93,51 @@ class WorkerSupervisor:
             block_size=self.cfg.block_size,
             max_model_len=self.cfg.max_model_len,
             tokenizer=self.opts.tokenizer,
-            kv_events_endpoint=self._endpoint_for_clients(self.cfg.kv_events_endpoint),
-            kv_replay_endpoint=self._endpoint_for_clients(self.cfg.kv_replay_endpoint),
+            kv_events_endpoint=self._endpoint_for_clients(events),
+            kv_replay_endpoint=self._endpoint_for_clients(replay),
             kv_events_topic=self.cfg.kv_events_topic,
-            labels=dict(self.opts.labels),
+            labels=labels,
             pd_protocol=self.opts.pd_protocol,
             bootstrap_port=self.opts.bootstrap_port,
         )
 
     async def start(self) -> WorkerInfo:
-        """Start the engine and register it once healthy."""
-        self.engine.start()
-        await self.engine.wait_healthy(self.opts.start_timeout_s)
+        """Start the engine and register it once healthy. EngineStartError (reported to discovery) if it is not."""
+        try:
+            self.engine.start()
+            await self.engine.wait_healthy(self.opts.start_timeout_s)
+        except (EngineStartError, OSError, ValueError) as exc:  # ValueError: a launch config the backend refuses
+            log.error("worker %s: %s engine failed to start: %s", self.worker_id, self.backend.name, exc)
+            await self.report_failure("start", str(exc))
+            if not isinstance(exc, EngineStartError):  # e.g. the engine's program does not exist
+                raise EngineStartError(f"cannot start the {self.backend.name} engine: {exc}") from exc
+            raise
+        self._start_relay()
         self.info = self.build_info()
         await self.discovery.register(self.info, self.opts.lease_ttl_s)
         await self._publish_tokenizer()
         log.info("worker %s registered: %s %s at %s", self.worker_id, self.backend.name, self.info.model, self.info.url)
         return self.info
+
+    def _start_relay(self) -> None:
+        if getattr(self.backend, "kv_events_transport", "zmq") != "http-relay" or not self.cfg.kv_events_endpoint:
+            return
+        from workers.trtllm.relay import KvEventRelay, RelaySettings
+
+        self.relay = KvEventRelay(self.engine.url, RelaySettings(self.cfg.kv_events_endpoint, self.cfg.kv_replay_endpoint,
+                                                                 self.cfg.kv_events_topic))
+        self.relay.start()
+        self._relay_task = asyncio.get_running_loop().create_task(self.relay.run(), name=f"kv-relay-{self.worker_id}")
+        log.info("worker %s: relaying the engine's KV events on %s", self.worker_id, self.relay.endpoint)
+
+    async def report_failure(self, phase: str, error: str) -> None:
+        """Tell frontends (via discovery) why this worker is gone; never raises."""
+        failure = WorkerFailure(worker_id=self.worker_id, backend=self.backend.name, model=self.cfg.served_model_name,
+                                role=self.opts.role, url=self.engine.url, phase=phase, error=error[-4000:])
+        try:
+            await self.discovery.report_failure(failure)
+        except DiscoveryError as exc:
+            log.warning("cannot report the failure of %s: %s", self.worker_id, exc)
 
     async def _publish_tokenizer(self) -> None:
         """Share the tokenizer through discovery so frontends on other hosts can tokenize."""
@@ -117,7 +162,15 @@ class WorkerSupervisor:
         code = 0
         while not self._stop.is_set():
             if self.engine.returncode is not None:
-                log.error("engine of %s exited with %s:\n%s", self.worker_id, self.engine.returncode, self.engine.log_tail())
+                tail = self.engine.log_tail()
+                log.error("engine of %s exited with %s:\n%s", self.worker_id, self.engine.returncode, tail)
+                await self.report_failure("serving", f"{self.backend.name} engine exited with code {self.engine.returncode}:\n{tail}")
+                code = 1
+                break
+            if self._relay_task is not None and self._relay_task.done():
+                exc = self._relay_task.exception() if not self._relay_task.cancelled() else None
+                log.error("worker %s: KV-event relay stopped: %s", self.worker_id, exc)
+                await self.report_failure("serving", f"KV events unreadable: {exc}")
                 code = 1
                 break
             await self._renew()
@@ -140,7 +193,7 @@ class WorkerSupervisor:
 
     async def _inflight(self, client: httpx.AsyncClient) -> float:
         try:
-            r = await client.get(self.engine.url + "/metrics")
+            r = await client.get(self.engine.url + self.backend.metrics_path)
             m = self.backend.parse_metrics(r.text)
             return m.num_requests_running + m.num_requests_waiting
         except httpx.HTTPError:
@@ -163,5 +216,11 @@ class WorkerSupervisor:
             await self.discovery.deregister(self.worker_id)
         except DiscoveryError as exc:
             log.warning("cannot deregister %s (its lease will lapse): %s", self.worker_id, exc)
+        if self._relay_task is not None:
+            self._relay_task.cancel()
+            await asyncio.gather(self._relay_task, return_exceptions=True)
+        if self.relay is not None:
+            await self.relay.close()
+            self.relay = None
         await self.engine.stop()
         log.info("worker %s stopped", self.worker_id)

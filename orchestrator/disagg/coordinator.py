@@ -45,7 +45,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlparse
 
 from orchestrator.config import DisaggConfig
@@ -54,13 +54,13 @@ from orchestrator.engine_client import EngineClient, EngineResponse, EngineStrea
 from orchestrator.errors import ServiceUnavailableError
 from orchestrator.metrics import FrontendMetrics
 from router import Endpoint, NoEndpointsError, RouteRequest, Router, RoutingDecision, build_policy
+from router.config import KvPolicyConfig
 from workers.sglang import handoff as sglang_handoff
 from workers.trtllm import handoff as trtllm_handoff
 from workers.vllm import handoff as vllm_handoff
 
-if TYPE_CHECKING:  # the coordinator is handed the service; it never imports it at run time
+if TYPE_CHECKING:
     from orchestrator.pool import WorkerPool
-    from orchestrator.service import InferenceService
 
 __all__ = ["DisaggCoordinator", "PrefillFailed", "DecodeFailed", "BufferedResponse", "PROTOCOLS", "protocol_of"]
 
@@ -139,19 +139,45 @@ class _Call:
     proto: str
 
 
+class EngineSender(Protocol):
+    """How the coordinator sends a request to engines: the service's own failover send, which it implements."""
+
+    retry_after_s: float
+
+    def allows(self, worker_id: str) -> bool:
+        """Called before routing a prefill: False while the worker's circuit breaker is open."""
+        ...
+
+    def report_failure(self, worker_id: str, reason: str) -> None:
+        """Called when a prefill worker failed a hand-off: counts against its circuit breaker."""
+        ...
+
+    async def send_ranked(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes,
+                          stream: bool) -> tuple[Endpoint, EngineResponse]:
+        """POST to the ranked engines in turn until one answers below 500 (retries, breakers, deadline);
+        raises ServiceUnavailableError when none does."""
+        ...
+
+
 class DisaggCoordinator:
     def __init__(self, cfg: DisaggConfig, pool: "WorkerPool", router: Router, metrics: FrontendMetrics, client: EngineClient,
-                 prefill_overlap_weight: float = 1.0, prefill_reuse_weight: float = 1.0) -> None:
+                 sender: EngineSender, kv: KvPolicyConfig) -> None:
         self.cfg = cfg
         self.pool = pool
         self.metrics = metrics
         self.client = client
+        self.sender = sender
+        self.router = router
         # Both share the service router's prefix index (fed by the KV-event ingestor); decode also shares
-        # its load book, which the service closes (first token, completion) on every path.
+        # its load book, which the service closes (first token, completion) on every path. Decode weighs load
+        # against the blocks it holds (Dynamo's decode cost); prefill is the kv cost with its own reuse credit.
+        # Neither prices requests in flight (request weight 0): both pools' costs predate that term.
         index = router.kv_index
-        self.decode_router = Router(build_policy("kv", overlap_weight=cfg.decode_overlap_weight, index=index), load=router.loads)
-        self.prefill_router = Router(build_policy("kv", overlap_weight=prefill_overlap_weight, reuse_weight=prefill_reuse_weight,
-                                                  index=index))
+        self.decode_router = Router(build_policy("kv", overlap_weight=cfg.decode_overlap_weight, reuse_weight=1.0,
+                                                 request_weight=0.0, index=index), load=router.loads)
+        reuse = kv.reuse_weight if cfg.prefill_reuse_weight is None else cfg.prefill_reuse_weight
+        self.prefill_router = Router(build_policy("kv", overlap_weight=kv.overlap_weight, reuse_weight=reuse,
+                                                  request_weight=0.0, index=index))
         pool.on_worker_left.append(self.prefill_router.loads.remove_worker)
 
     # ---- the two calls the service makes ---------------------------------------------------------
@@ -167,7 +193,7 @@ class DisaggCoordinator:
             raise NoEndpointsError(f"no decode worker serves model {rreq.model!r}")
         return self.decode_router.route(rreq, decode)
 
-    async def send(self, svc: "InferenceService", rreq: RouteRequest, body: dict, payload: bytes, decision: RoutingDecision,
+    async def send(self, rreq: RouteRequest, body: dict, payload: bytes, decision: RoutingDecision,
                    path: str, stream: bool) -> tuple[Endpoint, EngineResponse | BufferedResponse]:
         """Serve one request whose decode worker is booked (`decision.ranked[0]`); returns the worker and
         response the client gets. Raises ServiceUnavailableError when nothing could serve it."""
@@ -175,11 +201,10 @@ class DisaggCoordinator:
         live = self.pool.workers.get(d_ep.worker_id)
         proto = protocol_of(live.info) if live else "vllm"
         call = _Call(rreq, body, path, stream, path.endswith("/chat/completions"), decision, proto)
-        breakers = getattr(svc, "breakers", None)  # the service's circuit breakers: skip prefill workers failing now
-        prefill_eps = [e for e in self.pool.endpoints(rreq.model, roles=("prefill",))
-                       if self._proto(e) == proto and (breakers is None or breakers.allows(e.worker_id))]
+        prefill_eps = [e for e in self.pool.endpoints(rreq.model, roles=("prefill",))  # skip prefill workers failing now
+                       if self._proto(e) == proto and self.sender.allows(e.worker_id)]
         if not prefill_eps:
-            return await self._aggregated(svc, call, payload, "fallback", "no_prefill_worker")
+            return await self._aggregated(call, payload, "fallback", "no_prefill_worker")
         active = {e.worker_id: (ld.prefill_tokens if (ld := self.prefill_router.loads.peek(e.worker_id)) else 0) for e in prefill_eps}
         p_decision = self.prefill_router.route(rreq, prefill_eps)
         p_ep = p_decision.ranked[0]
@@ -191,18 +216,18 @@ class DisaggCoordinator:
         if not verdict.remote:
             self.prefill_router.on_complete(rreq.request_id)
             self.metrics.disagg_decisions.labels("local", verdict.reason).inc()
-            return await svc._send(rreq, decision.ranked, path, payload, stream)
+            return await self.sender.send_ranked(rreq, decision.ranked, path, payload, stream)
         self.metrics.disagg_decisions.labels("remote", verdict.reason).inc()
         flow = {"vllm": self._vllm, "sglang": self._sglang, "trtllm": self._trtllm}[proto]
         attempt = 0
         while True:
             try:
-                return await flow(svc, call, p_ep)
+                return await flow(call, p_ep)
             except PrefillFailed as exc:
                 failed: Exception = exc
                 reason = exc.reason
-                if breakers is not None and exc.reason != "prefill_bad_response":
-                    breakers.failure(p_ep.worker_id, str(exc))
+                if exc.reason != "prefill_bad_response":
+                    self.sender.report_failure(p_ep.worker_id, str(exc))
                 break
             except DecodeFailed as exc:
                 failed, reason = exc, "decode_error"
@@ -214,13 +239,13 @@ class DisaggCoordinator:
                             exc, attempt, self.cfg.handoff_retries)
             finally:
                 self.prefill_router.on_complete(rreq.request_id)  # every path: the prefill worker's book is closed
-            prefill_eps = [e for e in prefill_eps if breakers is None or breakers.allows(e.worker_id)] or prefill_eps
+            prefill_eps = [e for e in prefill_eps if self.sender.allows(e.worker_id)] or prefill_eps
             p_ep = self.prefill_router.route(rreq, prefill_eps).ranked[0]
-            svc.router.on_complete(rreq.request_id)  # the decode booking back on the first-ranked worker (its
-            svc.router.book(rreq, decision.ranked[0])  # failover may have moved it)
+            self.router.on_complete(rreq.request_id)  # the decode booking back on the first-ranked worker (its
+            self.router.book(rreq, decision.ranked[0])  # failover may have moved it)
         log.warning("%s of %s (prefill on %s) failed (%s); %s", "prefill" if reason != "decode_error" else "hand-off",
                     rreq.request_id, p_ep.worker_id, failed, "enforce-disagg: 503" if self.cfg.enforce else "serving it aggregated")
-        return await self._aggregated(svc, call, payload, "fallback", reason)
+        return await self._aggregated(call, payload, "fallback", reason)
 
     # ---- helpers ---------------------------------------------------------------------------------
 
@@ -233,21 +258,21 @@ class DisaggCoordinator:
             log.debug("disagg %s: %s (%s) prompt=%d uncached_on_decode=%d decode=%s prefill=%s", rreq.request_id,
                       "remote prefill" if v.remote else "local prefill", v.reason, rreq.isl, v.eff_isl, d_ep.worker_id, p_ep.worker_id)
 
-    async def _aggregated(self, svc: "InferenceService", call: _Call, payload: bytes, mode: str, reason: str):
+    async def _aggregated(self, call: _Call, payload: bytes, mode: str, reason: str):
         """Serve the request whole on the decode side, or 503 under enforce."""
         if self.cfg.enforce:
             self.metrics.disagg_decisions.labels("rejected", reason).inc()
             raise ServiceUnavailableError(f"the disaggregated hand-off failed ({reason}) and disaggregation is enforced",
-                                          retry_after=svc.cfg.retry_after_s)
+                                          retry_after=self.sender.retry_after_s)
         self.metrics.disagg_decisions.labels(mode, reason).inc()
         ranked = call.decode.ranked
         if call.proto == "sglang":  # a decode-mode SGLang engine cannot prefill: only `both` workers serve whole requests
             both = [e for e in self.pool.endpoints(call.rreq.model, roles=("both",)) if self._proto(e) == "sglang"]
             if not both:
                 raise ServiceUnavailableError(f"the hand-off failed ({reason}) and no SGLang worker serves whole requests",
-                                              retry_after=svc.cfg.retry_after_s)
+                                              retry_after=self.sender.retry_after_s)
             ranked = self.decode_router.route(call.rreq, both).ranked  # re-books the request on the new worker
-        return await svc._send(call.rreq, ranked, call.path, payload, call.stream)
+        return await self.sender.send_ranked(call.rreq, ranked, call.path, payload, call.stream)
 
     async def _post_prefill(self, ep: Endpoint, path: str, body: dict, request_id: str) -> tuple[int, bytes]:
         """POST to a prefill engine and read the whole answer within prefill_timeout_s."""
@@ -274,11 +299,10 @@ class DisaggCoordinator:
         self.metrics.disagg_prefill.labels(ep.model).observe(time.perf_counter() - t0)
         return status, content
 
-    @staticmethod
-    async def _decode(svc: "InferenceService", call: _Call, ranked: list[Endpoint], payload: bytes):
+    async def _decode(self, call: _Call, ranked: list[Endpoint], payload: bytes):
         """The decode leg of a hand-off: the service's send (failover over `ranked`); DecodeFailed when none served it."""
         try:
-            return await svc._send(call.rreq, ranked, call.path, payload, call.stream)
+            return await self.sender.send_ranked(call.rreq, ranked, call.path, payload, call.stream)
         except ServiceUnavailableError as exc:
             raise DecodeFailed(str(exc)) from exc
 
@@ -296,7 +320,7 @@ class DisaggCoordinator:
 
     # ---- the three hand-offs -----------------------------------------------------------------------
 
-    async def _vllm(self, svc: "InferenceService", call: _Call, p_ep: Endpoint):
+    async def _vllm(self, call: _Call, p_ep: Endpoint):
         status, content = await self._post_prefill(p_ep, call.path, vllm_handoff.prefill_body(call.body, call.chat), call.rreq.request_id)
         if 400 <= status < 500:  # the engine refused the request itself: the client's error, passed on as is
             return p_ep, BufferedResponse(content, status)
@@ -309,9 +333,9 @@ class DisaggCoordinator:
             raise PrefillFailed("prefill_bad_response", f"{p_ep.worker_id}: {exc}") from exc
         self.prefill_router.on_complete(call.rreq.request_id)  # hand-off received: the prefill is done
         payload = json.dumps(vllm_handoff.decode_body(call.body, params)).encode()
-        return await self._decode(svc, call, call.decode.ranked, payload)
+        return await self._decode(call, call.decode.ranked, payload)
 
-    async def _trtllm(self, svc: "InferenceService", call: _Call, p_ep: Endpoint):
+    async def _trtllm(self, call: _Call, p_ep: Endpoint):
         ctx_body = trtllm_handoff.context_body(call.body, trtllm_handoff.new_disagg_request_id())
         status, content = await self._post_prefill(p_ep, call.path, ctx_body, call.rreq.request_id)
         if 400 <= status < 500:
@@ -324,16 +348,16 @@ class DisaggCoordinator:
         except ValueError as exc:
             raise PrefillFailed("prefill_bad_response", f"{p_ep.worker_id}: {exc}") from exc
         self.prefill_router.on_complete(call.rreq.request_id)  # hand-off received: the prefill is done
-        return await self._decode(svc, call, call.decode.ranked, json.dumps(gen_body).encode())
+        return await self._decode(call, call.decode.ranked, json.dumps(gen_body).encode())
 
-    async def _sglang(self, svc: "InferenceService", call: _Call, p_ep: Endpoint):
+    async def _sglang(self, call: _Call, p_ep: Endpoint):
         live = self.pool.workers.get(p_ep.worker_id)
         port = (live.info.bootstrap_port if live else None) or sglang_handoff.DEFAULT_BOOTSTRAP_PORT
         body = sglang_handoff.bootstrap_body(call.body, urlparse(p_ep.url).hostname or "127.0.0.1", port, sglang_handoff.new_room())
         payload = json.dumps(body).encode()
         prefill = asyncio.ensure_future(self._post_prefill(p_ep, call.path, body, call.rreq.request_id))
         # decode is paired with this prefill by the room: no failover to another decode worker
-        decode = asyncio.ensure_future(self._decode(svc, call, call.decode.ranked[:1], payload))
+        decode = asyncio.ensure_future(self._decode(call, call.decode.ranked[:1], payload))
         try:
             status, content = await prefill  # both in flight; the decode engine waits on the room
             if 400 <= status < 500:  # the engine refused the request itself: the client's error, passed on as is

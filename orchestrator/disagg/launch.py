@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from workers.types import WorkerRole
 
-__all__ = ["PdLaunch", "pd_launch", "pd_registration", "kv_connector_of", "free_port"]
+__all__ = ["PdLaunch", "pd_launch", "pd_registration", "kv_connector_of", "free_port", "role_args"]
 
 NIXL_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, separators=(",", ":"))
 
@@ -62,6 +62,16 @@ def pd_launch(backend: str, flavor: str, role: WorkerRole, pick_port: Callable[[
             out.bootstrap_port = pick_port()
             out.extra_args += ["--disaggregation-bootstrap-port", str(out.bootstrap_port)]
     return out
+
+
+def role_args(backend: str, role: WorkerRole, engine_args: list[str]) -> list[str]:
+    """`kvyard worker`: the flags a `backend` engine needs for `role` that `engine_args` does not already give.
+    SGLang: `--disaggregation-mode prefill|decode` (its bootstrap port stays SGLang's default 8998 unless given).
+    vLLM's connector has no default worth guessing (the user passes --kv-transfer-config); TRT-LLM's role comes
+    with each request, its cache transceiver from the YAML its backend writes."""
+    if backend != "sglang" or role == WorkerRole.BOTH or any(a.split("=", 1)[0] == "--disaggregation-mode" for a in engine_args):
+        return []
+    return ["--disaggregation-mode", role.value]
 
 
 def pd_registration(backend: str, engine_args: list[str]) -> tuple[str | None, int | None]:

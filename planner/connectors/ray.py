@@ -46,7 +46,7 @@ class WorkerSpec:
     tokenizer: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     advertise_host: str | None = None  # default: engine.host, or the Ray node's IP when the engine binds 0.0.0.0
-    device: str | None = None  # vLLM: cpu | cuda (default: cuda when Ray gave the actor a GPU)
+    device: str | None = None  # vLLM, SGLang: cpu | cuda (default: cuda when Ray gave the actor a GPU)
     log_path: str | None = None  # engine log (a path on the actor's node); None: the actor's own log
 
 
@@ -87,16 +87,14 @@ class KvyardWorkerActor:
         return RedisDiscovery(s.redis_url, s.discovery_prefix)
 
     def _backend(self):
-        from workers.registry import get_backend
+        from workers.registry import DEVICE_BACKENDS, create_backend
 
         s = self.spec
-        if s.backend == "vllm":
+        if s.backend in DEVICE_BACKENDS and s.device is None:
             import ray
 
-            from workers.vllm.backend import VllmBackend
-
-            return VllmBackend(device=s.device or ("cuda" if ray.get_gpu_ids() else "cpu"))
-        return get_backend(s.backend)
+            return create_backend(s.backend, "cuda" if ray.get_gpu_ids() else "cpu")
+        return create_backend(s.backend, s.device)
 
     async def start(self) -> str:
         from workers.types import WorkerRole

@@ -12,8 +12,8 @@ worker actors' specs. Hub unreachable (actor dead, cluster gone) -> `DiscoveryEr
 
 from __future__ import annotations
 
-from workers.discovery import DiscoveryError, InMemoryDiscovery
-from workers.types import WorkerInfo, WorkerState
+from workers.discovery import FAILURE_TTL_S, DiscoveryError, InMemoryDiscovery
+from workers.types import WorkerFailure, WorkerInfo, WorkerState
 
 __all__ = ["DiscoveryHub", "RayActorDiscovery", "start_discovery_hub", "RAY_NAMESPACE"]
 
@@ -46,6 +46,12 @@ class DiscoveryHub:
 
     async def fetch_files(self, model: str) -> dict[str, bytes]:
         return await self.d.fetch_files(model)
+
+    async def report_failure(self, failure: WorkerFailure, ttl_s: float) -> None:
+        await self.d.report_failure(failure, ttl_s)
+
+    async def list_failures(self) -> list[WorkerFailure]:
+        return await self.d.list_failures()
 
 
 def start_discovery_hub(name: str, namespace: str = RAY_NAMESPACE):
@@ -90,6 +96,12 @@ class RayActorDiscovery:
 
     async def fetch_files(self, model: str) -> dict[str, bytes]:
         return dict(await self._call("fetch_files", model))
+
+    async def report_failure(self, failure: WorkerFailure, ttl_s: float = FAILURE_TTL_S) -> None:
+        await self._call("report_failure", failure, ttl_s)
+
+    async def list_failures(self) -> list[WorkerFailure]:
+        return list(await self._call("list_failures"))
 
     async def close(self) -> None:
         return None  # the hub belongs to whoever started it

@@ -12,8 +12,8 @@ For a request of isl prompt tokens and each endpoint w with block size B:
                         + request_weight · inflight_requests(w)                          (lower is better)
     score(w)          = (max_logit - logit(w)) / (max_logit - min_logit)   in [0, 1];  all 1.0 when equal
 
-Defaults here (as Dynamo, reference/dynamo.md §2.4): overlap_weight = 1.0, reuse_weight = 1.0, request_weight = 0,
-temperature = 0.
+Dynamo's cost is overlap_weight = 1, reuse_weight = 1, request_weight = 0, temperature = 0; the served defaults are
+in router/config.py (KvPolicyConfig), and the weights are required here.
 With reuse_weight 1 the prefill term trades a cached prompt token 1:1 against a token of other requests' pending
 prefill: the choice that minimises this request's own TTFT. It ignores that a prefix recomputed elsewhere costs
 the fleet that compute again (and a second copy of the blocks), which under load delays everyone after it;
@@ -25,8 +25,7 @@ a running sequence takes a batch slot whatever its length. Blocks alone let a lo
 suffixes outweigh many concurrent requests (a 10-block hit at overlap weight 16 outweighs 15 requests of 11
 blocks); with a per-request price the pile on the holder is bounded in requests too. Against long prompts (the
 trace's hundreds of blocks each) it changes almost nothing.
-The frontend passes its own `kv_overlap_weight`, `kv_reuse_weight` and `kv_request_weight` (orchestrator/config.py,
-which says which measurements chose them: benchmarks/results/routing_*.md).
+The frontend passes `frontend.router.kv` (router/config.py); docs/benchmarks.md has the runs that chose the defaults.
 active_prefill_tokens and active_blocks are the router's own bookkeeping (router/load.py: booked at
 route time as the uncached prompt tokens and all prompt blocks, prefill released at the first
 token, blocks at completion, on every path), so a worker is never invisible as loaded. The frontend
@@ -50,8 +49,8 @@ from router.types import Endpoint, RouteRequest
 __all__ = ["KvCostScorer", "kv_logits"]
 
 
-def kv_logits(request: RouteRequest, endpoints: list[Endpoint], overlap_weight: float = 1.0, reuse_weight: float = 1.0,
-              request_weight: float = 0.0) -> list[float]:
+def kv_logits(request: RouteRequest, endpoints: list[Endpoint], overlap_weight: float, reuse_weight: float,
+              request_weight: float) -> list[float]:
     """logit(w) per endpoint, in endpoint order (lower is better). For tests and explanations."""
     return py_kv_logits(endpoints, request.overlap_blocks, request.isl, request.hashed_block_size, overlap_weight, reuse_weight,
                         request_weight)
@@ -60,7 +59,7 @@ def kv_logits(request: RouteRequest, endpoints: list[Endpoint], overlap_weight: 
 class KvCostScorer:
     name = "kv"
 
-    def __init__(self, overlap_weight: float = 1.0, reuse_weight: float = 1.0, request_weight: float = 0.0) -> None:
+    def __init__(self, overlap_weight: float, reuse_weight: float, request_weight: float) -> None:
         self.overlap_weight = overlap_weight
         self.reuse_weight = reuse_weight
         self.request_weight = request_weight

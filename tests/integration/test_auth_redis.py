@@ -14,8 +14,7 @@ from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
 from orchestrator.errors import RateLimitError
 from orchestrator.security import KeyFile, Principal, RedisRateLimiter, generate_key, save_key_file
-from tests.unit.orchestrator.fake_engine import FakeEngine, free_port
-from tests.unit.orchestrator.test_frontend import winfo
+from orchestrator.testing import FakeEngine, free_port, winfo
 from workers.discovery import InMemoryDiscovery
 
 pytestmark = pytest.mark.redis
@@ -73,8 +72,7 @@ async def test_redis_outage_falls_back_to_local_buckets(caplog):
 async def test_limits_hold_across_two_apps(tmp_path, prefix):
     key, rec = generate_key("shared", rpm=3)
     save_key_file(tmp_path / "keys.yaml", KeyFile(keys=[rec]))
-    cfg = FrontendConfig(redis_url=REDIS_URL, discovery_prefix=prefix, api_keys_file=tmp_path / "keys.yaml",
-                         refresh_interval_s=60, telemetry=False)
+    cfg = FrontendConfig(redis_url=REDIS_URL, discovery_prefix=prefix, refresh_interval_s=60, grpc_port=0, security={"api_keys_file": tmp_path / "keys.yaml"}, telemetry={"enabled": False})
     with FakeEngine() as eng:
         apps, clients = [], []
         for _ in range(2):

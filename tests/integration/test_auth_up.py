@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.unit.orchestrator.fake_engine import free_port
+from orchestrator.testing import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from benchmarks.procs import KvyardCluster
+from orchestrator.testing.procs import KvyardCluster
 from workers.vllm.metrics import parse_vllm_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.unit.orchestrator.fake_engine import free_port
+from orchestrator.testing import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 

@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from tests.unit.orchestrator.fake_engine import free_port
+from orchestrator.testing import free_port
 from workers.vllm.metrics import parse_vllm_metrics
 
 pytestmark = pytest.mark.slow

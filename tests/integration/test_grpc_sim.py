@@ -26,7 +26,7 @@ from tritonclient.grpc import InferInput
 
 from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
-from tests.unit.orchestrator.fake_engine import free_port
+from orchestrator.testing import free_port
 from workers.discovery import InMemoryDiscovery
 from workers.process import EngineProcess
 from workers.registry import get_backend

@@ -296,17 +296,15 @@ def test_frontend_ports_probes_resources(rendered: dict[str, list[dict]]) -> Non
 def test_frontend_config_file_reaches_the_frontend(rendered: dict[str, list[dict]]) -> None:
     objs = rendered["all-backends"]
     cm = one(objs, "ConfigMap", "kv-frontend")
-    assert yaml.safe_load(cm["data"]["frontend.yaml"]) == {"frontend": {"max_attempts": 2, "first_byte_timeout_s": 120}}
+    assert yaml.safe_load(cm["data"]["frontend.yaml"]) == {"frontend": {"resilience": {"max_attempts": 2, "first_byte_timeout_s": 120}}}
     dep = one(objs, "Deployment", "kv-frontend")
     assert "--config=/etc/kvyard/frontend.yaml" in container(dep)["args"]
     mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
     assert mounts["config"] == "/etc/kvyard"
-    # the config is loaded by the real FrontendConfig (unknown keys would raise)
+    # the config is loaded by the real FrontendConfig (unknown keys raise)
     from orchestrator.config import FrontendConfig
 
-    loaded = yaml.safe_load(cm["data"]["frontend.yaml"])["frontend"]
-    FrontendConfig(**loaded)
-    assert set(loaded) <= set(FrontendConfig.model_fields)
+    FrontendConfig(**yaml.safe_load(cm["data"]["frontend.yaml"])["frontend"])
     schema_keys = json.loads((CHART / "values.schema.json").read_text())["properties"]["frontend"]["properties"]["config"]["properties"]
     assert set(schema_keys) <= set(FrontendConfig.model_fields), "values.schema.json types a key FrontendConfig lacks"
 
@@ -531,11 +529,13 @@ def test_tls_and_keys_from_existing_secrets(rendered: dict[str, list[dict]]) -> 
     assert c["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http", "scheme": "HTTPS"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS"}
     # the rendered command parses with kvyard's CLI into a config with TLS and keys
-    from orchestrator.cli import _build_parser
+    from orchestrator.cli import build_parser, frontend_config
 
-    ns = _build_parser().parse_args(_substitute(c["args"]))
-    assert (ns.tls_cert, ns.tls_key, ns.api_keys_file) == ("/etc/kvyard/tls/tls.crt", "/etc/kvyard/tls/tls.key",
-                                                           "/etc/kvyard/auth/api-keys.yaml")
+    ns = build_parser().parse_args(_substitute(c["args"]))
+    ns.config = None  # the ConfigMap's file lives in the pod
+    sec = frontend_config(ns, environ={}).security
+    assert tuple(map(str, (sec.tls_cert_file, sec.tls_key_file, sec.api_keys_file))) == (
+        "/etc/kvyard/tls/tls.crt", "/etc/kvyard/tls/tls.key", "/etc/kvyard/auth/api-keys.yaml")
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
@@ -583,31 +583,87 @@ def _substitute(args: list[str]) -> list[str]:
 
 
 def test_rendered_commands_parse_with_the_real_cli(rendered: dict[str, list[dict]]) -> None:
-    from orchestrator.cli import _build_parser
+    from orchestrator.cli import build_parser, frontend_config, worker_config
     from workers.registry import backend_names
 
-    parser = _build_parser()
+    parser = build_parser()
     subcommands = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 (argparse has no public accessor)
     checked = 0
-    for name in ("default", "sim-only", "vllm-disagg-gpu", "external-redis-url"):
+    for name in ("default", "sim-only", "vllm-disagg-gpu", "external-redis-url", "all-backends"):
         for dep in find(rendered[name], "Deployment"):
             c = container(dep)
             if c.get("command") != ["kvyard"]:
                 continue
             args = _substitute(c["args"])
-            if args[0] == "worker" and args[1].split("=", 1)[1] not in backend_names():
-                continue  # a backend the chart knows but this build's CLI does not register yet
+            if name == "all-backends" and args[0] != "worker":
+                continue  # its frontend carries a made-up extraArgs flag (a pass-through test, not a real flag)
+            if args[0] == "worker":  # every backend the chart renders is one the CLI runs
+                assert args[1].split("=", 1)[1] in backend_names(), args[1]
             if args[0] not in subcommands:
                 assert args[0] == "planner", args  # the planner command lands with the planner issue
                 continue
             ns = parser.parse_args(args)
+            ns.config = None  # a ConfigMap's file lives in the pod
             checked += 1
-            if args[0] == "worker":
-                assert ns.host == "0.0.0.0" and ns.advertise_host == "10.0.0.7" and ns.redis_url.startswith("redis")
-                assert ns.role in ("both", "prefill", "decode")
+            if args[0] == "worker":  # the typed config the worker would run with
+                w = worker_config(ns, environ={})
+                assert w.host == "0.0.0.0" and w.advertise_host == "10.0.0.7" and w.redis_url.startswith("redis")
+                assert w.role.value in ("both", "prefill", "decode")
             if args[0] == "frontend":
-                assert (ns.host, ns.port, ns.redis_url) == ("0.0.0.0", 8000, _substitute(["$(KVYARD_REDIS_URL)"])[0])
-    assert checked >= 6
+                f = frontend_config(ns, environ={})
+                assert (f.host, f.port, f.redis_url) == ("0.0.0.0", 8000, _substitute(["$(KVYARD_REDIS_URL)"])[0])
+    assert checked >= 12
+
+
+def _worker_engine(objs: list[dict], deployment: str, tmp_path: Path):
+    """What `kvyard worker` in this pool would start: (backend, EngineLaunchConfig, WorkerOptions, LaunchSpec), the
+    pool's engine ConfigMap (trtllm) written where the pod mounts it (a path under tmp_path here)."""
+    from orchestrator.cli import build_parser, worker_config
+    from orchestrator.commands import worker_setup
+
+    args = _substitute(container(one(objs, "Deployment", deployment))["args"])
+    mounted = "/etc/kvyard/engine/extra-llm-api-options.yaml"
+    if mounted in args:
+        local = tmp_path / f"{deployment}.yaml"
+        local.write_text(one(objs, "ConfigMap", f"{deployment}-engine")["data"]["extra-llm-api-options.yaml"])
+        args = [str(local) if a == mounted else a for a in args]
+    backend, cfg, opts = worker_setup(worker_config(build_parser().parse_args(args), environ={}))
+    return backend, cfg, opts, backend.launch_spec(cfg)
+
+
+def test_sglang_and_trtllm_pools_start_the_engine_they_describe(rendered: dict[str, list[dict]], tmp_path: Path) -> None:
+    """The rendered worker commands, run through kvyard's own worker setup and backends: the SGLang engine gets its
+    role, bootstrap port and transfer backend; the TRT-LLM engine's YAML is the pool's engineConfig merged over
+    kvyard's (checked against TRT-LLM's names in tests/unit/workers/trtllm); the engines' ports match the pod's."""
+    objs = rendered["all-backends"]
+    backend, cfg, opts, spec = _worker_engine(objs, "kv-pool-sg-prefill", tmp_path)
+    assert backend.name == "sglang" and spec.argv[1:3] == ["-m", "sglang.launch_server"] and spec.argv[0] == "python3"
+    argv = spec.argv
+    assert argv[argv.index("--disaggregation-mode") + 1] == "prefill" and argv.count("--disaggregation-mode") == 1
+    assert argv[argv.index("--disaggregation-transfer-backend") + 1] == "mooncake"
+    assert (opts.bootstrap_port, opts.role.value) == (8998, "prefill")
+    ports = {p["name"]: p["containerPort"] for p in container(one(objs, "Deployment", "kv-pool-sg-prefill"))["ports"]}
+    assert ports["bootstrap"] == opts.bootstrap_port and ports["http"] == cfg.port
+    kv = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert kv["endpoint"] == f"tcp://*:{ports['kv-events']}" and kv["replay_endpoint"] == f"tcp://*:{ports['kv-replay']}"
+    _, _, dopts, dspec = _worker_engine(objs, "kv-pool-sg-decode", tmp_path)
+    assert dspec.argv[dspec.argv.index("--disaggregation-mode") + 1] == "decode" and dopts.bootstrap_port is None
+    for pool, role in (("kv-pool-trt-ctx", "prefill"), ("kv-pool-trt-gen", "decode")):
+        backend, cfg, opts, spec = _worker_engine(objs, pool, tmp_path)
+        assert backend.name == "trtllm" and spec.argv[0] == "trtllm-serve" and spec.argv[1] == "/models/llama-3.1-8b-engine"
+        assert spec.argv.count("--extra_llm_api_options") == 1
+        options = yaml.safe_load(next(iter(spec.files.values())))
+        assert options["cache_transceiver_config"] == {"backend": "NIXL"} and options["return_perf_metrics"] is True
+        assert options["kv_cache_config"]["tokens_per_block"] == cfg.block_size and opts.role.value == role
+        if pool == "kv-pool-trt-ctx":  # the pool's engineConfig wins where it sets a key
+            assert options["kv_cache_config"]["event_buffer_max_size"] == 1024
+
+
+def test_service_monitor_reads_trtllm_engines_prometheus_path(rendered: dict[str, list[dict]]) -> None:
+    (sm,) = find(rendered["all-backends"], "ServiceMonitor")
+    http = next(e for e in sm["spec"]["endpoints"] if e["port"] == "http")
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_kvyard_io_backend"], "regex": "trtllm",
+            "targetLabel": "__metrics_path__", "replacement": "/prometheus/metrics"} in http["relabelings"]
 
 
 def test_workers_log_level_and_pool_env(rendered: dict[str, list[dict]]) -> None:
@@ -744,8 +800,5 @@ def test_example_configs_load_with_the_real_config_classes() -> None:
     from orchestrator.config import ClusterConfig, FrontendConfig, load_yaml
 
     frontend = load_yaml(REPO / "deploy" / "examples" / "frontend.yaml")["frontend"]
-    FrontendConfig(**frontend)
-    assert set(frontend) <= set(FrontendConfig.model_fields)  # pydantic would ignore a misspelt key
-    cluster = load_yaml(REPO / "deploy" / "examples" / "local-sim.yaml")
-    ClusterConfig(**cluster)
-    assert set(cluster) <= set(ClusterConfig.model_fields) and set(cluster["frontend"]) <= set(FrontendConfig.model_fields)
+    FrontendConfig(**frontend)  # every model forbids unknown keys: a misspelt one raises
+    ClusterConfig(**load_yaml(REPO / "deploy" / "examples" / "local-sim.yaml"))

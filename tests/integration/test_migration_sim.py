@@ -26,7 +26,7 @@ import uvicorn
 from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
 from orchestrator.tokenizer import load_tokenizer
-from tests.unit.orchestrator.fake_engine import free_port
+from orchestrator.testing import free_port
 from workers.discovery import InMemoryDiscovery
 from workers.sim.backend import SIM_TOKENIZER_DIR
 from workers.types import WorkerInfo
@@ -75,8 +75,7 @@ def cluster(tmp_path):
         disc = InMemoryDiscovery()
         for s in sims:
             asyncio.run(disc.register(s.info(), ttl_s=600))
-        cfg = FrontendConfig(port=free_port(), refresh_interval_s=0.2, scrape_interval_s=0.5, stream_headers_timeout_s=2.0,
-                             stream_idle_timeout_s=2.0, first_byte_timeout_s=5.0, breaker_open_s=60, telemetry=False)
+        cfg = FrontendConfig(port=free_port(), refresh_interval_s=0.2, scrape_interval_s=0.5, grpc_port=0, resilience={"stream_headers_timeout_s": 2.0, "stream_idle_timeout_s": 2.0, "first_byte_timeout_s": 5.0, "breaker_open_s": 60}, telemetry={"enabled": False})
         app = create_app(cfg, disc)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
@@ -290,7 +289,7 @@ async def test_continuation_is_exact_on_a_real_engine(engine, kind):
         return WorkerInfo(worker_id=wid, model="tiny", backend=engine.name, url=url, block_size=32, max_model_len=512,
                           tokenizer=tokenizer_dir)
 
-    cfg = FrontendConfig(refresh_interval_s=60, scrape_interval_s=60, telemetry=False, retry_backoff_base_s=0)
+    cfg = FrontendConfig(refresh_interval_s=60, scrape_interval_s=60, grpc_port=0, telemetry={"enabled": False}, resilience={"retry_backoff_base_s": 0})
     app = create_app(cfg, disc)
     with BreakingProxy(engine.url, after=6) as proxy:
         await disc.register(info("a", proxy.url), ttl_s=600)

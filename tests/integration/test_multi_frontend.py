@@ -21,7 +21,7 @@ import uuid
 import httpx
 import pytest
 
-from benchmarks.procs import KvyardCluster
+from orchestrator.testing.procs import KvyardCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 

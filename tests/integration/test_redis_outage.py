@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from benchmarks.procs import KvyardCluster, RedisServer
+from orchestrator.testing.procs import KvyardCluster, RedisServer
 from workers.telemetry.redis_store import RedisTelemetryStore
 from workers.telemetry.schema import TelemetrySchema
 

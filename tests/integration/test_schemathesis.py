@@ -28,7 +28,7 @@ from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest
 from starlette.responses import JSONResponse
-from tests.unit.orchestrator.fake_engine import FakeEngine
+from orchestrator.testing import FakeEngine
 from workers.discovery import InMemoryDiscovery
 from workers.sim.backend import SIM_TOKENIZER_DIR
 from workers.types import WorkerInfo
@@ -71,7 +71,7 @@ def _app(engine: FakeEngine):
     info = WorkerInfo(worker_id="a", model="m", backend="sim", url=engine.url, block_size=16, max_model_len=256,
                       tokenizer=str(SIM_TOKENIZER_DIR))
     asyncio.run(disc.register(info, ttl_s=3600))  # before the lifespan: the pool's first refresh sees it
-    cfg = FrontendConfig(max_body_bytes=64 * 1024, refresh_interval_s=60, admin_token=ADMIN_TOKEN)
+    cfg = FrontendConfig(max_body_bytes=64 * 1024, refresh_interval_s=60, grpc_port=0, security={"admin_token": ADMIN_TOKEN})
     return create_app(cfg, disc)
 
 
@@ -83,7 +83,7 @@ def api_schema(engine):
     return schema
 
 
-OPERATIONS = sorted((path, method.upper()) for path, ops in create_app(FrontendConfig()).openapi()["paths"].items() for method in ops)
+OPERATIONS = sorted((path, method.upper()) for path, ops in create_app(FrontendConfig(grpc_port=0)).openapi()["paths"].items() for method in ops)
 # negative cases need something to break: the routes with a request body (the others take no declared input)
 CASES = [(p, m, GenerationMode.POSITIVE, auth) for p, m in OPERATIONS for auth in ([False, True] if p.startswith("/admin") else [False])]
 CASES += [(p, "POST", GenerationMode.NEGATIVE, False) for p in sorted(BODIES)]

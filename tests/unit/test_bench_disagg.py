@@ -1,4 +1,4 @@
-"""`kvyard bench disagg`: the virtual-clock P/D driver prices requests exactly as the sim's own timing
+"""`python -m benchmarks disagg`: the virtual-clock P/D driver prices requests exactly as the sim's own timing
 model does, hands KV over without leaking blocks, and the grid's output is well formed."""
 
 from __future__ import annotations

@@ -31,10 +31,12 @@ def sim_tokenizer_path() -> str:
 class SimBackend:
     name = "sim"
     health_path = "/health"
+    metrics_path = "/metrics"
 
     def launch_spec(self, cfg: EngineLaunchConfig) -> LaunchSpec:
         # the sim takes vLLM's own server flags (cfg.model names its profile)
-        argv = [cfg.python or sys.executable, "-m", "workers.sim", *server_args(cfg), *cfg.extra_args]
+        program = cfg.engine_cmd or [cfg.python or sys.executable, "-m", "workers.sim"]
+        argv = [*program, *server_args(cfg), *cfg.extra_args]
         return LaunchSpec(argv=argv, env=dict(cfg.env))
 
     def parse_metrics(self, text: str) -> EngineMetrics:
@@ -45,11 +47,11 @@ class SimBackend:
         if not isinstance(text, str):
             return EngineMetrics()
         if text.lstrip().startswith("["):
-            from workers.sim.flavors import parse_trtllm_stats
+            from workers.trtllm.metrics import parse_trtllm_stats
 
             return parse_trtllm_stats(text)
         if "vllm:" not in text and "sglang:" in text:
-            from workers.sim.flavors import parse_sglang_metrics
+            from workers.sglang.metrics import parse_sglang_metrics
 
             return parse_sglang_metrics(text)
         return parse_vllm_metrics(text)

@@ -18,6 +18,14 @@ Multimodal chat parts (workers/multimodal.py): --mm-image-tokens 256 --mm-image-
   --mm-audio-tokens 128 --mm-audio-token-id 100254 (placeholder tokens one image / audio clip stands for)
 Unknown vLLM flags are accepted and ignored, so a vLLM command line runs unchanged.
 
+The other engines' own spellings are accepted too, so the command line kvyard builds for SGLang or
+TensorRT-LLM (workers/sglang/backend.py, workers/trtllm/backend.py) runs the sim unchanged behind
+`--engine-cmd "python -m workers.sim --flavor sglang|trtllm"`:
+  SGLang:  --model-path, --page-size, --context-length, --max-running-requests, --chunked-prefill-size
+  TRT-LLM: MODEL (positional), --max_seq_len, --max_batch_size, --max_num_tokens,
+           --extra_llm_api_options/--config FILE (YAML: kv_cache_config.tokens_per_block -> block size,
+           kv_cache_config.enable_block_reuse -> prefix caching)
+
 P/D disaggregation (workers/sim/disagg.py), each engine's own switches:
   --flavor vllm|sglang|trtllm (default vllm; which engine's hand-off protocol the sim speaks)
   vllm:   --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}' (+ kv_load_failure_policy,
@@ -39,6 +47,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict
 
 from workers.multimodal import MmTokenSpec
@@ -129,12 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workers.sim", description="kvyard simulated vLLM engine")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", "--model-path", dest="model", default=None)
     p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", "--page-size", dest="block_size", type=int, default=None)
+    p.add_argument("--max-model-len", "--context-length", "--max_seq_len", dest="max_model_len", type=int, default=8192)
+    p.add_argument("--max-num-seqs", "--max-running-requests", "--max_batch_size", dest="max_num_seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", "--max_num_tokens", dest="max_num_batched_tokens",
+                   type=int, default=8192)
+    p.add_argument("--extra_llm_api_options", "--config", dest="extra_llm_api_options", default=None)
     p.add_argument("--kv-events-config", default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enable-prompt-tokens-details", action="store_true")
@@ -210,6 +221,16 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None, 
     else:  # no model, or a model that is not a profile (kept as `root`): the default profile times it
         profile = DEFAULT_PROFILE
     model = ns.model or profile
+    block_size, prefix_caching = ns.block_size, ns.enable_prefix_caching
+    if ns.extra_llm_api_options:  # TRT-LLM's LLM API options YAML: the KV cache settings the sim can honour
+        try:
+            opts = yaml.safe_load(Path(ns.extra_llm_api_options).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            parser.error(f"--extra_llm_api_options: {exc}")
+        kvc = opts.get("kv_cache_config") if isinstance(opts, dict) else None
+        if isinstance(kvc, dict):
+            block_size = block_size or kvc.get("tokens_per_block")
+            prefix_caching = prefix_caching and kvc.get("enable_block_reuse", True) is not False
     kv = KvEventsConfig.model_validate_json(ns.kv_events_config) if ns.kv_events_config else KvEventsConfig()
     if ns.flavor == "sglang" and kv.publisher == "zmq":  # SGLang's config has no enable flag: a zmq publisher is on
         kv.enable_kv_cache_events = True
@@ -219,7 +240,7 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None, 
         served_model_names=list(ns.served_model_name or [model]),
         model=model,
         profile=profile,
-        block_size=ns.block_size,
+        block_size=int(block_size or 16),
         max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
@@ -228,7 +249,7 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None, 
         prefill_pricing=ns.prefill_pricing,
         seed=ns.seed,
         hash_seed=ns.hash_seed or hash_seed or DEFAULT_SEED,
-        enable_prefix_caching=ns.enable_prefix_caching,
+        enable_prefix_caching=prefix_caching,
         enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
         kv_events=kv,
         log_level=ns.log_level,

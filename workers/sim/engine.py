@@ -29,7 +29,7 @@ from typing import Any
 from workers.sim.hashing import RequestHashes
 from workers.sim.kv_manager import KvBlockManager
 from workers.sim.metrics import SimMetrics
-from workers.sim.publisher import KvEventPublisher
+from workers.kv_publisher import KvEventPublisher
 from workers.sim.scheduler import Scheduler, SimRequest, StepPlan
 from workers.sim.timing import TimingModel
 

@@ -31,8 +31,6 @@ TensorRT-LLM (engines.md §5, `serve/openai_server.py`):
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -42,7 +40,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from workers.kv_events import BlockStored, KvEvent
-from workers.types import EngineMetrics
 from workers.sim.metrics import SimMetrics
 
 __all__ = [
@@ -50,8 +47,6 @@ __all__ = [
     "TrtllmEventBuffer",
     "TrtllmIterationStats",
     "TrtllmPrometheus",
-    "parse_sglang_metrics",
-    "parse_trtllm_stats",
     "split_per_page",
 ]
 
@@ -224,61 +219,3 @@ class TrtllmPrometheus:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-# ---- reading them back (SimBackend.parse_metrics, whatever flavor the sim plays) ------------------
-
-_SGLANG_FIELDS: dict[str, tuple[str, ...]] = {
-    "num_requests_running": ("sglang:num_running_reqs",),
-    # vLLM counts a decode waiting for its KV as waiting: so do the queues before running here
-    "num_requests_waiting": ("sglang:num_queue_reqs", "sglang:num_decode_prealloc_queue_reqs",
-                             "sglang:num_decode_transfer_queue_reqs", "sglang:num_prefill_bootstrap_queue_reqs"),
-    "kv_cache_usage": ("sglang:token_usage",),
-    "prefix_cache_queries": ("sglang:prompt_tokens_total",),
-    "prefix_cache_hits": ("sglang:cached_tokens_total",),
-    "prompt_tokens": ("sglang:prompt_tokens_total",),
-    "generation_tokens": ("sglang:generation_tokens_total",),
-}
-
-
-def parse_sglang_metrics(text: str) -> EngineMetrics:
-    """SGLang's Prometheus text -> EngineMetrics (summed over label sets; token_usage averaged). Never raises."""
-    values: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        if not line.startswith("sglang:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        try:
-            v = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(v):
-            values.setdefault(name, []).append(v)
-    out = EngineMetrics()
-    for fld, names in _SGLANG_FIELDS.items():
-        got = [v for n in names for v in values.get(n, ())]
-        if got:
-            setattr(out, fld, sum(got) / len(got) if fld == "kv_cache_usage" else sum(got))
-    return out
-
-
-def parse_trtllm_stats(text: str) -> EngineMetrics:
-    """TRT-LLM's JSON iteration stats -> EngineMetrics from the newest iteration (gauges only: the stats
-    carry no cumulative token counters; no iteration since the last scrape reads as idle). Never raises."""
-    out = EngineMetrics()
-    try:
-        stats = json.loads(text)
-    except ValueError:
-        return out
-    if not isinstance(stats, list) or not stats or not isinstance(stats[-1], dict):
-        return out
-    last = stats[-1]
-    kv = last.get("kvCacheStats") if isinstance(last.get("kvCacheStats"), dict) else {}
-    try:
-        out.num_requests_running = float(last.get("numActiveRequests") or 0)
-        out.num_requests_waiting = float(last.get("numQueuedRequests") or 0)
-        total = float(kv.get("maxNumBlocks") or 0)
-        out.kv_cache_usage = float(kv.get("usedNumBlocks") or 0) / total if total > 0 else 0.0
-    except (TypeError, ValueError):
-        return EngineMetrics()
-    return out

@@ -64,8 +64,9 @@ class SimState:
     loras: SimLoras = field(default_factory=lambda: SimLoras(False))
 
     def check_model(self, model: str | None) -> tuple[str, str] | None:
-        """404 unless `model` is a served name or a loaded LoRA adapter; returns the adapter's (name, path)."""
-        if model is not None and model not in self.cfg.served_model_names:
+        """404 unless `model` is a served name or a loaded LoRA adapter; returns the adapter's (name, path).
+        trtllm-serve answers whatever model a request names (it serves one); vLLM and SGLang check it."""
+        if model is not None and model not in self.cfg.served_model_names and self.cfg.flavor != "trtllm":
             lora = self.loras.get(model)
             if lora is not None:
                 return lora
@@ -260,7 +261,7 @@ def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         if cfg.kv_events.active and cfg.flavor != "trtllm":  # TRT-LLM has no ZMQ publisher (POST /kv_cache_events)
-            from workers.sim.publisher import KvEventPublisher
+            from workers.kv_publisher import KvEventPublisher
 
             if cfg.flavor == "sglang":
                 from workers.sglang.kv_events import encode_batch as sglang_encode

@@ -98,6 +98,7 @@ def server_args(cfg: EngineLaunchConfig) -> list[str]:
 class VllmBackend:
     name = "vllm"
     health_path = "/health"
+    metrics_path = "/metrics"
 
     def __init__(self, device: str = "cpu") -> None:
         if device not in ("cpu", "cuda"):
@@ -137,8 +138,8 @@ class VllmBackend:
 
     def launch_spec(self, cfg: EngineLaunchConfig) -> LaunchSpec:
         self.validate(cfg)
-        python = cfg.python or find_vllm_python()
-        argv = [python, "-m", "vllm.entrypoints.openai.api_server", *server_args(cfg)]
+        program = cfg.engine_cmd or [cfg.python or find_vllm_python(), "-m", "vllm.entrypoints.openai.api_server"]
+        argv = [*program, *server_args(cfg)]
         env: dict[str, str] = {}
         if self.device == "cpu":
             argv += ["--enforce-eager", "--dtype", "bfloat16"]

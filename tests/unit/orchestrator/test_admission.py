@@ -11,7 +11,7 @@ from orchestrator.errors import RateLimitError, ServiceUnavailableError
 from orchestrator.resilience.admission import AdmissionController, worker_saturated
 from workers.types import EngineMetrics
 
-from .fault_engine import FaultEngine
+from orchestrator.testing import FaultEngine
 from .test_migration import add, counter, frontend, winfo  # noqa: F401  (frontend is a fixture)
 
 
@@ -107,7 +107,7 @@ def test_worker_saturated_needs_both_signals():
 # ---- through the frontend ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("frontend", [{"max_inflight_per_model": 1, "max_queued_per_model": 1, "admission_timeout_s": 5, "retry_after_s": 4}], indirect=True)
+@pytest.mark.parametrize("frontend", [{"admission": {"max_inflight_per_model": 1, "max_queued_per_model": 1, "timeout_s": 5}, "resilience": {"retry_after_s": 4}}], indirect=True)
 async def test_frontend_sheds_beyond_the_queue_with_retry_after(frontend):
     client, disc = frontend
     with FaultEngine("a", plan=[{"stall_after": 1}]) as a:
@@ -128,7 +128,7 @@ async def test_frontend_sheds_beyond_the_queue_with_retry_after(frontend):
         assert r.status_code == 200
 
 
-@pytest.mark.parametrize("frontend", [{"admission_timeout_s": 0.3, "saturation_kv_usage": 0.9, "saturation_waiting": 1}], indirect=True)
+@pytest.mark.parametrize("frontend", [{"admission": {"timeout_s": 0.3, "saturation_kv_usage": 0.9, "saturation_waiting": 1}}], indirect=True)
 async def test_saturated_fleet_queues_then_503(frontend):
     client, disc = frontend
     with FaultEngine("a") as a:
@@ -165,9 +165,10 @@ async def test_max_tokens_cap(frontend):
 
 
 def test_cli_flags_reach_the_config():
-    from orchestrator.cli import _build_parser, _frontend_config
+    from orchestrator.cli import build_parser, frontend_config
 
-    ns = _build_parser().parse_args(["frontend", "--max-migrations", "1", "--request-timeout", "60", "--max-inflight", "8",
+    ns = build_parser().parse_args(["frontend", "--max-migrations", "1", "--request-timeout", "60", "--max-inflight", "8",
                                      "--max-queued", "16", "--max-tokens-cap", "512"])
-    cfg = _frontend_config(ns)
-    assert (cfg.max_migrations, cfg.request_timeout_s, cfg.max_inflight_per_model, cfg.max_queued_per_model, cfg.max_tokens_cap) == (1, 60, 8, 16, 512)
+    cfg = frontend_config(ns)
+    rc, ac = cfg.resilience, cfg.admission
+    assert (rc.max_migrations, rc.request_timeout_s, ac.max_inflight_per_model, ac.max_queued_per_model, cfg.max_tokens_cap) == (1, 60, 8, 16, 512)

@@ -18,8 +18,7 @@ from orchestrator.config import FrontendConfig
 from orchestrator.security import KeyFile, generate_key, save_key_file
 from workers.discovery import InMemoryDiscovery
 
-from .fake_engine import FakeEngine, free_port
-from .test_frontend import winfo
+from orchestrator.testing import FakeEngine, free_port, winfo
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -43,7 +42,7 @@ async def grpc_stack(tmp_path):
     save_key_file(tmp_path / "keys.yaml", KeyFile(keys=records))
     port = free_port()
     disc = InMemoryDiscovery()
-    app = create_app(FrontendConfig(grpc_port=port, refresh_interval_s=60, api_keys_file=tmp_path / "keys.yaml", retry_after_s=2), disc)
+    app = create_app(FrontendConfig(grpc_port=port, refresh_interval_s=60, security={"api_keys_file": tmp_path / "keys.yaml"}, resilience={"retry_after_s": 2}), disc)
     async with app.router.lifespan_context(app):
         with FakeEngine(tokens=3) as eng:
             await disc.register(winfo("a", eng.url), ttl_s=60)

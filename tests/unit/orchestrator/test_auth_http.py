@@ -14,8 +14,7 @@ from orchestrator.config import FrontendConfig
 from orchestrator.security import KeyFile, generate_key, redact, save_key_file
 from workers.discovery import InMemoryDiscovery
 
-from .fake_engine import FakeEngine
-from .test_frontend import winfo
+from orchestrator.testing import FakeEngine, winfo
 
 ADMIN = "admin-" + "z" * 30
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
@@ -57,7 +56,7 @@ async def _stack(cfg: FrontendConfig, client_addr=("127.0.0.1", 5000)):
 @pytest.fixture
 async def keyed(tmp_path):
     path, keys = make_keys(tmp_path, rpm=3)
-    async for s in _stack(FrontendConfig(api_keys_file=path, admin_token=ADMIN, refresh_interval_s=60)):
+    async for s in _stack(FrontendConfig(refresh_interval_s=60, grpc_port=0, security={"api_keys_file": path, "admin_token": ADMIN})):
         s.keys = keys
         yield s
 
@@ -121,7 +120,7 @@ async def test_rate_limit_per_key_is_openai_429(keyed):
 
 async def test_tokens_per_minute_counts_prompt_and_max_tokens(tmp_path):
     path, keys = make_keys(tmp_path, tpm=100)
-    async for s in _stack(FrontendConfig(api_keys_file=path, refresh_interval_s=60, max_body_bytes=4096)):
+    async for s in _stack(FrontendConfig(refresh_interval_s=60, max_body_bytes=4096, grpc_port=0, security={"api_keys_file": path})):
         with FakeEngine() as eng:
             await s.add(winfo("a", eng.url))
             h = bearer(keys["limited"])
@@ -148,7 +147,7 @@ async def test_admin_reads_need_the_admin_token(keyed, path):
 
 
 async def test_without_admin_token_admin_is_off_except_local_reads(tmp_path):
-    cfg = FrontendConfig(refresh_interval_s=60)  # 127.0.0.1 and no token: loopback reads only
+    cfg = FrontendConfig(refresh_interval_s=60, grpc_port=0)  # 127.0.0.1 and no token: loopback reads only
     async for s in _stack(cfg, client_addr=("10.1.2.3", 4000)):  # a remote client
         for path in ("/dashboard", "/api/pools", "/api/cluster", "/admin/targets"):
             openai_error(await s.client.get(path), 403, "admin_disabled")
@@ -159,7 +158,7 @@ async def test_without_admin_token_admin_is_off_except_local_reads(tmp_path):
         assert (await s.client.get("/api/pools")).status_code == 200
         err = openai_error(await s.client.put("/admin/targets", json={"pools": []}), 403, "admin_disabled")
         assert "KVYARD_ADMIN_TOKEN" in err["message"]
-    async for s in _stack(FrontendConfig(host="0.0.0.0", refresh_interval_s=60)):  # listening beyond loopback: nothing
+    async for s in _stack(FrontendConfig(host="0.0.0.0", refresh_interval_s=60, grpc_port=0)):  # listening beyond loopback: nothing
         openai_error(await s.client.get("/api/pools"), 403, "admin_disabled")
 
 
@@ -194,10 +193,10 @@ async def test_engine_internals_are_not_reachable(keyed, method, path):
 
 def test_the_frontend_serves_a_closed_set_of_routes():
     """Every route the app has is named here: a new one must be added on purpose (and guarded)."""
-    app = create_app(FrontendConfig())
+    app = create_app(FrontendConfig(grpc_port=0))
     served = set(app.openapi()["paths"]) | {r.path for r in app.routes if hasattr(r, "path")}  # included routers too
     assert "/api/pools" in served and "/admin/targets" in served
-    allowed = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/live", "/health", "/metrics", "/dashboard",
+    allowed = {"/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/live", "/health", "/metrics", "/dashboard",
                "/api/cluster", "/api/pools", "/admin/targets", "/admin/targets/history", "/admin/planner/decisions",
                "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
     assert served <= allowed, served - allowed

@@ -12,7 +12,7 @@ from workers.discovery import DiscoveryError, InMemoryDiscovery
 from workers.sim.backend import SIM_TOKENIZER_DIR
 from workers.types import WorkerInfo
 
-from .fake_engine import FakeEngine
+from orchestrator.testing import FakeEngine
 
 
 class Unreachable(InMemoryDiscovery):
@@ -26,7 +26,7 @@ class Unreachable(InMemoryDiscovery):
 
 async def test_no_workers_known_is_503_then_404_for_a_wrong_name():
     disc = Unreachable()
-    app = create_app(FrontendConfig(refresh_interval_s=60, retry_after_s=2), disc)
+    app = create_app(FrontendConfig(refresh_interval_s=60, grpc_port=0, resilience={"retry_after_s": 2}), disc)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard") as c:
             r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})

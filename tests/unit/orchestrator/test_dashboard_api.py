@@ -1,4 +1,4 @@
-"""GET /api/pools (orchestrator/dashboard.py) in process: per-pool summary and series from telemetry, targets, decisions;
+"""GET /api/pools (orchestrator/routes/dashboard.py) in process: per-pool summary and series from telemetry, targets, decisions;
 an admin read (the token is needed, and never echoed)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from workers.telemetry.targets import parse_targets
 
 
 async def test_pools_endpoint_reads_telemetry_targets_and_decisions():
-    app = create_app(FrontendConfig(admin_token="secret-token"))
+    app = create_app(FrontendConfig(grpc_port=0, security={"admin_token": "secret-token"}))
     store = app.state.telemetry_store
     b = PoolBucket(start=store.schema.bucket_start(time.time() - 20), requests=30, osl_sum=900, kv_hit_tokens=5,
                    kv_query_tokens=10, gauge_samples=2, workers_sum=4)

@@ -20,8 +20,7 @@ from workers.discovery import InMemoryDiscovery
 from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR
 from workers.types import WorkerInfo, WorkerRole
 
-from .fake_engine import free_port
-from .fake_pd_engine import FakePDEngine, HandoffBook
+from orchestrator.testing import FakePDEngine, HandoffBook, free_port
 
 VLLM_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
                        "remote_host": None, "remote_port": None}
@@ -57,7 +56,7 @@ class Stack:
 async def stack(request):
     disagg = getattr(request, "param", None) or DisaggConfig()
     disc = InMemoryDiscovery()
-    app = create_app(FrontendConfig(refresh_interval_s=60, retry_after_s=2, disagg=disagg), disc)
+    app = create_app(FrontendConfig(refresh_interval_s=60, disagg=disagg, grpc_port=0, resilience={"retry_after_s": 2}), disc)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kvyard", timeout=20) as client:
             yield Stack(app, client, disc)
@@ -462,7 +461,7 @@ async def test_grpc_model_infer_is_disaggregated_too():
     from tritonclient.grpc import InferInput
 
     disc, port = InMemoryDiscovery(), free_port()
-    app = create_app(FrontendConfig(refresh_interval_s=60, retry_after_s=2, grpc_port=port), disc)
+    app = create_app(FrontendConfig(refresh_interval_s=60, grpc_port=port, resilience={"retry_after_s": 2}), disc)
     book = HandoffBook()
     async with app.router.lifespan_context(app):
         client = tgrpc.InferenceServerClient(f"127.0.0.1:{port}")
@@ -528,7 +527,7 @@ def test_prefill_router_reuse_credit():
     cases = ((DisaggConfig(), 16.0), (DisaggConfig(prefill_reuse_weight=None), 3.0), (DisaggConfig(prefill_reuse_weight=1), 1.0),
              (DisaggConfig(prefill_reuse_weight=0), 0.0))
     for disagg, want in cases:
-        app = create_app(FrontendConfig(kv_overlap_weight=8, kv_reuse_weight=3, disagg=disagg), InMemoryDiscovery())
+        app = create_app(FrontendConfig(disagg=disagg, grpc_port=0, router={"kv": {"overlap_weight": 8, "reuse_weight": 3}}), InMemoryDiscovery())
         scorer, _ = app.state.service.disagg.prefill_router.policy.scorers[0]
         assert (scorer.overlap_weight, scorer.reuse_weight) == (8.0, want)
     with pytest.raises(ValueError):

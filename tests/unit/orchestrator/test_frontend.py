@@ -12,21 +12,15 @@ import pytest
 from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
 from workers.discovery import InMemoryDiscovery
+from orchestrator.testing import FakeEngine, free_port, winfo
 from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR
-from workers.types import WorkerInfo
-
-from .fake_engine import FakeEngine, free_port
-
-
-def winfo(wid: str, url: str, max_model_len: int = 64) -> WorkerInfo:
-    return WorkerInfo(worker_id=wid, model="m", backend="sim", url=url, block_size=16, max_model_len=max_model_len, tokenizer=str(TOKENIZER_DIR))
 
 
 @pytest.fixture
 async def frontend():
     """Yields (client, discovery); register workers in discovery, then call `await refresh()`."""
     disc = InMemoryDiscovery()
-    cfg = FrontendConfig(max_body_bytes=4096, refresh_interval_s=0.05, retry_after_s=2)
+    cfg = FrontendConfig(max_body_bytes=4096, refresh_interval_s=0.05, grpc_port=0, resilience={"retry_after_s": 2})
     app = create_app(cfg, disc)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -230,5 +224,12 @@ async def test_requests_reach_telemetry_and_admin_api_needs_token(frontend):
 
 def test_router_load_drain_follows_the_config():
     """kv_prefill_drain (on by default) reaches the router's load bookkeeping; off keeps the booked figure."""
-    assert create_app(FrontendConfig(), InMemoryDiscovery()).state.router.loads.drain is True
-    assert create_app(FrontendConfig(kv_prefill_drain=False), InMemoryDiscovery()).state.router.loads.drain is False
+    assert create_app(FrontendConfig(grpc_port=0), InMemoryDiscovery()).state.router.loads.drain is True
+    assert create_app(FrontendConfig(grpc_port=0, router={"kv": {"prefill_drain": False}}), InMemoryDiscovery()).state.router.loads.drain is False
+
+
+@pytest.mark.parametrize("prompt", [[-1], [[0, 1], [2, -5]], [1 << 40], [[]]])
+async def test_token_id_prompts_out_of_range_are_a_400(frontend, prompt):
+    client, _disc = frontend
+    r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

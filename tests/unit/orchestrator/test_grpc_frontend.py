@@ -25,8 +25,7 @@ from orchestrator.grpc import GrpcStartError, start_grpc_server
 from workers.discovery import InMemoryDiscovery
 from workers.types import WorkerState
 
-from .fake_engine import FakeEngine, free_port
-from .test_frontend import winfo
+from orchestrator.testing import FakeEngine, free_port, winfo
 
 STREAM_RPC = "/inference.GRPCInferenceService/ModelStreamInfer"
 
@@ -48,7 +47,7 @@ class Stack:
 async def stack():
     disc = InMemoryDiscovery()
     port = free_port()
-    cfg = FrontendConfig(max_body_bytes=4096, refresh_interval_s=0.05, retry_after_s=2, grpc_port=port)
+    cfg = FrontendConfig(max_body_bytes=4096, refresh_interval_s=0.05, grpc_port=port, resilience={"retry_after_s": 2})
     app = create_app(cfg, disc)
     async with app.router.lifespan_context(app):
         assert app.state.grpc.port == port

@@ -188,9 +188,11 @@ def test_committed_stubs_match_the_proto(tmp_path):
     (["frontend", "--grpc-port", "9102"], "frontend:\n  grpc_port: 9100\n", 9102),
 ])
 def test_cli_grpc_port(tmp_path, argv, yaml_text, port):
-    from orchestrator.cli import _build_parser, _frontend_config
+    from orchestrator.cli import build_parser, cluster_config, frontend_config
 
     if yaml_text is not None:
         (tmp_path / "c.yaml").write_text(yaml_text)
         argv = [*argv, "--config", str(tmp_path / "c.yaml")]
-    assert _frontend_config(_build_parser().parse_args(argv)).grpc_port == port
+    ns = build_parser().parse_args(argv)
+    cfg = cluster_config(ns).frontend if argv[0] == "up" else frontend_config(ns)
+    assert cfg.grpc_port == port

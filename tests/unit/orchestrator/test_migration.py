@@ -22,7 +22,7 @@ from workers.discovery import InMemoryDiscovery
 from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR
 from workers.types import WorkerInfo
 
-from .fault_engine import TOKEN_BASE, WORDS, FaultEngine
+from orchestrator.testing import TOKEN_BASE, WORDS, FaultEngine
 
 TOK = load_tokenizer(str(TOKENIZER_DIR))
 
@@ -37,7 +37,8 @@ def winfo(wid: str, url: str, backend: str = "sim", protocol: str | None = "sgla
 async def frontend(request):
     overrides = getattr(request, "param", {})
     disc = InMemoryDiscovery()
-    cfg = FrontendConfig(**{"refresh_interval_s": 0.05, "retry_backoff_base_s": 0.0, **overrides})
+    overrides = {**overrides, "resilience": {"retry_backoff_base_s": 0.0, **overrides.get("resilience", {})}}
+    cfg = FrontendConfig(refresh_interval_s=0.05, grpc_port=0, **overrides)
     app = create_app(cfg, disc)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -197,7 +198,7 @@ async def test_unmigratable_stream_ends_with_clean_error(frontend, extra):
         assert counter(client, "kvyard_migrations_total", model="m", outcome="refused") == 1
 
 
-@pytest.mark.parametrize("frontend", [{"max_migrations": 1}], indirect=True)
+@pytest.mark.parametrize("frontend", [{"resilience": {"max_migrations": 1}}], indirect=True)
 async def test_migration_limit(frontend):
     client, disc = frontend
     plan = [{"break_after": 1}, {"break_after": 1}]

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.resilience.breaker import BreakerBoard, BreakerState, backoff_s
 
-from .fault_engine import FaultEngine
+from orchestrator.testing import FaultEngine
 from .test_migration import add, counter, frontend, sse, winfo  # noqa: F401  (frontend is a fixture)
 
 
@@ -89,7 +89,7 @@ def test_backoff_full_jitter_bounds():
 # ---- through the frontend ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("frontend", [{"breaker_failure_threshold": 2, "breaker_open_s": 0.3, "breaker_max_open_s": 0.6}], indirect=True)
+@pytest.mark.parametrize("frontend", [{"resilience": {"breaker_failure_threshold": 2, "breaker_open_s": 0.3, "breaker_max_open_s": 0.6}}], indirect=True)
 async def test_failing_worker_opened_skipped_and_brought_back(frontend):
     client, disc = frontend
     with FaultEngine("a") as a, FaultEngine("b") as b:
@@ -131,7 +131,7 @@ async def test_failing_worker_opened_skipped_and_brought_back(frontend):
         assert len(a.requests) > before  # routed to again
 
 
-@pytest.mark.parametrize("frontend", [{"breaker_failure_threshold": 1, "breaker_open_s": 30}], indirect=True)
+@pytest.mark.parametrize("frontend", [{"resilience": {"breaker_failure_threshold": 1, "breaker_open_s": 30}}], indirect=True)
 async def test_all_breakers_open_is_503_with_retry_after(frontend):
     client, disc = frontend
     with FaultEngine("a") as a:
@@ -145,7 +145,7 @@ async def test_all_breakers_open_is_503_with_retry_after(frontend):
         assert len(a.requests) == 1
 
 
-@pytest.mark.parametrize("frontend", [{"stream_headers_timeout_s": 0.5, "first_byte_timeout_s": 0.5}], indirect=True)
+@pytest.mark.parametrize("frontend", [{"resilience": {"stream_headers_timeout_s": 0.5, "first_byte_timeout_s": 0.5}}], indirect=True)
 @pytest.mark.parametrize("stream", [True, False])
 async def test_hung_engine_is_abandoned_and_the_request_served_elsewhere(frontend, stream):
     client, disc = frontend
@@ -161,7 +161,7 @@ async def test_hung_engine_is_abandoned_and_the_request_served_elsewhere(fronten
         assert counter(client, "kvyard_engine_retries_total", model="m") == 1
 
 
-@pytest.mark.parametrize("frontend", [{"stream_idle_timeout_s": 0.5}], indirect=True)
+@pytest.mark.parametrize("frontend", [{"resilience": {"stream_idle_timeout_s": 0.5}}], indirect=True)
 async def test_engine_stalling_mid_stream_is_migrated(frontend):
     client, disc = frontend
     with FaultEngine("a", plan=[{"stall_after": 2}]) as a, FaultEngine("b", plan=a.plan) as b:
@@ -175,7 +175,7 @@ async def test_engine_stalling_mid_stream_is_migrated(frontend):
         assert counter(client, "kvyard_migrations_total", model="m", outcome="migrated") == 1
 
 
-@pytest.mark.parametrize("frontend", [{"request_timeout_s": 0.6, "stream_headers_timeout_s": 5, "first_byte_timeout_s": 5}], indirect=True)
+@pytest.mark.parametrize("frontend", [{"resilience": {"request_timeout_s": 0.6, "stream_headers_timeout_s": 5, "first_byte_timeout_s": 5}}], indirect=True)
 async def test_total_deadline_ends_a_hung_request_cleanly(frontend):
     client, disc = frontend
     with FaultEngine("a") as a:
@@ -189,7 +189,7 @@ async def test_total_deadline_ends_a_hung_request_cleanly(frontend):
         assert counter(client, "kvyard_request_deadline_exceeded_total", model="m") == 1
 
 
-@pytest.mark.parametrize("frontend", [{"first_byte_timeout_s": 0.5}], indirect=True)
+@pytest.mark.parametrize("frontend", [{"resilience": {"first_byte_timeout_s": 0.5}}], indirect=True)
 async def test_unary_broken_mid_body_is_resent(frontend):
     client, disc = frontend
     with FaultEngine("a") as a, FaultEngine("b") as b:

@@ -18,13 +18,13 @@ from tritonclient.grpc import InferInput
 from tritonclient.utils import InferenceServerException
 
 from orchestrator.app import create_app
-from orchestrator.cli import _build_parser, _frontend_config, _serve
+from orchestrator.cli import build_parser, frontend_config
+from orchestrator.commands import _serve
 from orchestrator.config import FrontendConfig
 from orchestrator.security import KeyFile, TlsConfigError, TlsFiles, generate_key, save_key_file
 from workers.discovery import InMemoryDiscovery
 
-from .fake_engine import FakeEngine, free_port
-from .test_frontend import winfo
+from orchestrator.testing import FakeEngine, free_port, winfo
 
 
 def make_certs(folder: Path, hosts=("127.0.0.1", "localhost")) -> dict[str, Path]:
@@ -79,18 +79,18 @@ def test_tls_files_are_checked_at_startup(certs, tmp_path):
     with pytest.raises(TlsConfigError, match="not a PEM file"):
         TlsFiles.load(tmp_path / "junk.pem", certs["key"])
     with pytest.raises(TlsConfigError):  # create_app refuses to start on a bad pair
-        create_app(FrontendConfig(tls_cert_file=certs["cert"], tls_key_file=other["key"]))
+        create_app(FrontendConfig(grpc_port=0, security={"tls_cert_file": certs["cert"], "tls_key_file": other["key"]}))
     with pytest.raises(SystemExit, match="go together"):
-        _frontend_config(_build_parser().parse_args(["frontend", "--tls-cert", str(certs["cert"])]))
+        frontend_config(build_parser().parse_args(["frontend", "--tls-cert", str(certs["cert"])]))
 
 
 async def test_https_frontend_with_api_key(certs, tmp_path):
     key, rec = generate_key("tls")
     save_key_file(tmp_path / "keys.yaml", KeyFile(keys=[rec]))
     port = free_port()
-    ns = _build_parser().parse_args(["frontend", "--port", str(port), "--grpc-port", "0", "--tls-cert", str(certs["cert"]),
+    ns = build_parser().parse_args(["frontend", "--port", str(port), "--grpc-port", "0", "--tls-cert", str(certs["cert"]),
                                      "--tls-key", str(certs["key"]), "--api-keys-file", str(tmp_path / "keys.yaml")])
-    cfg = _frontend_config(ns).model_copy(update={"refresh_interval_s": 60})
+    cfg = frontend_config(ns).model_copy(update={"refresh_interval_s": 60})
     disc = InMemoryDiscovery()
     app = create_app(cfg, disc)
     server = await _serve(app, cfg)  # the CLI's own server setup
@@ -130,8 +130,7 @@ async def test_grpc_over_tls_with_api_key(certs, tmp_path):
     key, rec = generate_key("grpc")
     save_key_file(tmp_path / "keys.yaml", KeyFile(keys=[rec]))
     port = free_port()
-    cfg = FrontendConfig(grpc_port=port, refresh_interval_s=60, tls_cert_file=certs["cert"], tls_key_file=certs["key"],
-                         api_keys_file=tmp_path / "keys.yaml")
+    cfg = FrontendConfig(grpc_port=port, refresh_interval_s=60, security={"tls_cert_file": certs["cert"], "tls_key_file": certs["key"], "api_keys_file": tmp_path / "keys.yaml"})
     disc = InMemoryDiscovery()
     app = create_app(cfg, disc)
     async with app.router.lifespan_context(app):

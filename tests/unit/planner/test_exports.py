@@ -13,7 +13,7 @@ import workers.telemetry
 
 MODULES = sorted(
     {m.name for pkg in (planner, planner.connectors, workers.telemetry) for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")}
-    | {"planner", "planner.connectors", "workers.telemetry", "orchestrator.admin", "orchestrator.telemetry_recorder",
+    | {"planner", "planner.connectors", "workers.telemetry", "orchestrator.routes.admin", "orchestrator.telemetry_recorder",
        "orchestrator.planner_cmd", "orchestrator.local_scaling"}
 )
 

@@ -13,6 +13,7 @@ from router.plugins import KvCostScorer, SoftmaxPicker
 from router.plugins.kv import kv_logits
 
 BS = 16
+DYNAMO = {"overlap_weight": 1.0, "reuse_weight": 1.0, "request_weight": 0.0}  # Dynamo's cost; the served defaults are router/config.py's
 
 
 def eps(n: int, bs: int = BS) -> list[Endpoint]:
@@ -50,7 +51,7 @@ def test_logit_is_dynamos_formula(isl, overlap, pf, ab, w, expected):
     r = RouteRequest("r", "m", list(range(isl)), overlap_blocks={"w0": overlap}, hashed_block_size=BS)
     ep = eps(1)
     ep[0].load = EndpointLoad(prefill_tokens=pf, active_blocks=ab)
-    assert kv_logits(r, ep, w) == [pytest.approx(expected)]
+    assert kv_logits(r, ep, w, 1.0, 0.0) == [pytest.approx(expected)]
 
 
 def test_scores_are_normalised_negated_logits(impl):
@@ -58,9 +59,9 @@ def test_scores_are_normalised_negated_logits(impl):
     for ep, (pf, ab) in zip(e, [(0, 0), (1600, 0), (0, 500), (3200, 100)]):
         ep.load = EndpointLoad(prefill_tokens=pf, active_blocks=ab)
     r = RouteRequest("r", "m", list(range(4096)), overlap_blocks={"w1": 100, "w3": 192}, hashed_block_size=BS)
-    logits = kv_logits(r, e)
+    logits = kv_logits(r, e, 1.0, 1.0, 0.0)
     lo, hi = min(logits), max(logits)
-    scores = KvCostScorer().score(r, e)
+    scores = KvCostScorer(1.0, 1.0, 0.0).score(r, e)
     assert list(scores) == ["w0", "w1", "w2", "w3"]
     assert scores == {ep.worker_id: pytest.approx((hi - x) / (hi - lo)) for ep, x in zip(e, logits)}
     assert max(scores.values()) == 1.0 and min(scores.values()) == 0.0
@@ -94,9 +95,9 @@ def test_reuse_weight_values_a_cached_token_above_a_pending_one(impl, reuse, exp
     e = eps(2)
     e[0].load = EndpointLoad(prefill_tokens=4000, active_blocks=0)
     r = RouteRequest("r", "m", list(range(4096)), overlap_blocks={"w0": 192}, hashed_block_size=BS)
-    scores = KvCostScorer(overlap_weight=4.0, reuse_weight=reuse).score(r, e)
+    scores = KvCostScorer(overlap_weight=4.0, reuse_weight=reuse, request_weight=0.0).score(r, e)
     assert max(scores, key=scores.get) == expected
-    assert kv_logits(r, e, 4.0, reuse)[0] == pytest.approx(4.0 * (4096 - 3072 + max(0, 4000 - (reuse - 1) * 3072)) / 16 + (256 - 192))
+    assert kv_logits(r, e, 4.0, reuse, 0.0)[0] == pytest.approx(4.0 * (4096 - 3072 + max(0, 4000 - (reuse - 1) * 3072)) / 16 + (256 - 192))
     assert build_policy("kv", reuse_weight=reuse).scorers[0][0].reuse_weight == reuse
 
 
@@ -106,9 +107,9 @@ def test_reuse_credit_stops_at_an_empty_prefill_queue(impl):
     e = eps(2)
     e[0].load = EndpointLoad(prefill_tokens=100, active_blocks=5000)
     r = RouteRequest("r", "m", list(range(4096)), overlap_blocks={"w0": 192}, hashed_block_size=BS)
-    at = {reuse: kv_logits(r, e, 4.0, reuse) for reuse in (1.0, 16.0, 1000.0)}
+    at = {reuse: kv_logits(r, e, 4.0, reuse, 0.0) for reuse in (1.0, 16.0, 1000.0)}
     assert at[16.0] == at[1000.0] == [pytest.approx(4.0 * 1024 / 16 + 64 + 5000), pytest.approx(4.0 * 4096 / 16 + 256)]
-    scores = KvCostScorer(4.0, 1000.0).score(r, e)
+    scores = KvCostScorer(4.0, 1000.0, 0.0).score(r, e)
     assert max(scores, key=scores.get) == "w1"  # 5,000 active blocks outweigh the prefix, whatever the reuse weight
 
 
@@ -118,8 +119,8 @@ def test_request_weight_prices_each_request_in_flight(impl):
     e = eps(2)
     e[0].load = EndpointLoad(prefill_tokens=0, active_blocks=8 * 11, inflight_requests=8)
     r = RouteRequest("r", "m", list(range(176)), overlap_blocks={"w0": 10}, hashed_block_size=BS)
-    assert kv_logits(r, e, 16.0, 8.0) == [pytest.approx(16.0 * 16 / 16 + 1 + 88), pytest.approx(16.0 * 176 / 16 + 11)]
-    assert max(KvCostScorer(16.0, 8.0).score(r, e).items(), key=lambda kv: kv[1])[0] == "w0"  # 105 < 187: holder
+    assert kv_logits(r, e, 16.0, 8.0, 0.0) == [pytest.approx(16.0 * 16 / 16 + 1 + 88), pytest.approx(16.0 * 176 / 16 + 11)]
+    assert max(KvCostScorer(16.0, 8.0, 0.0).score(r, e).items(), key=lambda kv: kv[1])[0] == "w0"  # 105 < 187: holder
     assert kv_logits(r, e, 16.0, 8.0, 16.0)[0] == pytest.approx(105 + 16 * 8)
     scores = KvCostScorer(16.0, 8.0, 16.0).score(r, e)
     assert max(scores, key=scores.get) == "w1"  # 233 > 187: eight requests in flight are worth the copy
@@ -127,7 +128,7 @@ def test_request_weight_prices_each_request_in_flight(impl):
 
 
 def test_cached_prefix_wins_when_load_is_equal(impl):
-    r = Router("kv")
+    r = Router(build_policy("kv", **DYNAMO))
     cache(r.kv_index, "w5", PREFIX)
     d = r.route(req(0), eps(8))
     assert d.best.worker_id == "w5" and d.overlap_of(d.best) == 192 and d.overlap_blocks == {"w5": 192}
@@ -165,7 +166,7 @@ def test_kv_policy_parameters():
 
 
 def test_booking_charges_only_uncached_prefill_but_all_blocks(impl):
-    r = Router("kv")
+    r = Router(build_policy("kv", **DYNAMO))
     cache(r.kv_index, "w1", PREFIX)
     d = r.route(req(0), eps(2))
     ld = r.loads.load(d.best.worker_id)
@@ -177,7 +178,7 @@ def test_booking_charges_only_uncached_prefill_but_all_blocks(impl):
 
 
 def test_failover_books_the_next_endpoints_own_overlap(impl):
-    r = Router("kv")
+    r = Router(build_policy("kv", **DYNAMO))
     cache(r.kv_index, "w0", PREFIX)
     rq = req(0)
     d = r.route(rq, eps(2))
@@ -188,7 +189,7 @@ def test_failover_books_the_next_endpoints_own_overlap(impl):
 
 def test_affinity_survives_mild_imbalance(impl):
     """The prefix holder keeps the traffic while its extra load is below what the overlap saves."""
-    r = Router("kv")
+    r = Router(build_policy("kv", **DYNAMO))
     cache(r.kv_index, "w3", PREFIX)
     e = eps(8)
     for i, ep in enumerate(e):  # every worker busy with 2 running requests; w3 with 3, one still in prefill
@@ -206,7 +207,7 @@ def test_affinity_survives_mild_imbalance(impl):
 
 def hot_prefix_picks(n: int = 64, **params) -> tuple[Router, Counter]:
     """One prefix, n concurrent requests (none completes), 8 event-fed workers, only w0 has the prefix cached."""
-    r = Router(build_policy("kv", **params))
+    r = Router(build_policy("kv", **{**DYNAMO, **params}))
     e = eps(8)
     for ep in e:
         r.kv_index.add_worker(ep.worker_id, block_size=BS)
@@ -233,15 +234,14 @@ def test_hot_prefix_replicates_through_pending_predictions(impl):
 
 
 def test_hot_prefix_at_the_frontends_weights(impl):
-    """The frontend's weights (orchestrator/config.py) value a cached block highly (overlap weight, reuse credit), so
+    """The served weights (router/config.py) value a cached block highly (overlap weight, reuse credit), so
     the holder keeps more of a burst; pending predictions make each worker a request is sent to a holder too, so
     the burst replicates the prefix instead of piling: nobody takes more than twice a fair share. Without the
     predictions the same weights pile much more onto w0 (the index never learns the other copies in time)."""
-    from orchestrator.config import FrontendConfig
+    from router.config import KV_DEFAULTS as cfg
 
-    cfg = FrontendConfig()
-    weights = {"overlap_weight": cfg.kv_overlap_weight, "reuse_weight": cfg.kv_reuse_weight, "request_weight": cfg.kv_request_weight}
-    r, picks = hot_prefix_picks(pending_ttl_s=cfg.kv_pending_ttl_s, **weights)
+    weights = {"overlap_weight": cfg.overlap_weight, "reuse_weight": cfg.reuse_weight, "request_weight": cfg.request_weight}
+    r, picks = hot_prefix_picks(pending_ttl_s=cfg.pending_ttl_s, **weights)
     assert picks.most_common(1)[0][1] <= 2 * 64 / 8 and len(picks) >= 5, picks
     held = r.kv_index.find_matches(block_hashes(PREFIX, BS))
     assert sum(1 for w in picks if held.get(w, 0) >= 192) >= len(picks) - 1  # one may hold a lone diverted request's
@@ -252,7 +252,7 @@ def test_hot_prefix_at_the_frontends_weights(impl):
 def test_hot_prefix_replicates_in_approximate_mode(impl):
     """No KV events at all: predictions make the prefix 'cached' where it was sent, so a hot prefix
     fans out across workers and then stays sticky on each."""
-    r = Router("kv")
+    r = Router(build_policy("kv", **DYNAMO))
     e = eps(8)
     picks = Counter()
     for i in range(200):  # closed loop: 32 in flight
@@ -265,7 +265,7 @@ def test_hot_prefix_replicates_in_approximate_mode(impl):
 
 
 def test_lora_and_block_size_must_match_to_count(impl):
-    r = Router("kv")
+    r = Router(build_policy("kv", **DYNAMO))
     cache(r.kv_index, "w0", PREFIX, lora="sql")
     assert r.route(req(0), eps(2)).overlap_blocks == {}
     assert r.route(req(1, lora="sql"), eps(2)).overlap_blocks == {"w0": 192}
@@ -274,11 +274,11 @@ def test_lora_and_block_size_must_match_to_count(impl):
     cache(r.kv_index, "w1", PREFIX, bs=32)
     rq = req(2)
     r.route(rq, mixed)  # hashed at w0's block size (16): w1's 32-token blocks cannot count
-    assert KvCostScorer().score(rq, mixed)["w0"] >= 0 and rq.hashed_block_size == 16
+    assert KvCostScorer(1.0, 1.0, 0.0).score(rq, mixed)["w0"] >= 0 and rq.hashed_block_size == 16
 
 
 def test_remove_worker_drops_its_index_entries(impl):
-    r = Router("kv")
+    r = Router(build_policy("kv", **DYNAMO))
     cache(r.kv_index, "w0", PREFIX)
     r.remove_worker("w0")
     assert r.kv_index.find_matches(block_hashes(PREFIX, BS)) == {}

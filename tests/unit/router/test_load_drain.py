@@ -93,7 +93,7 @@ def test_remove_worker_forgets_its_queue():
 
 
 def test_drain_off_is_the_booked_figure():
-    t = LoadTracker()
+    t = LoadTracker(drain=False)
     t.on_routed("a", "w0", 1000, 16, now=0.0)
     t.on_first_token("a", now=0.5)
     t.on_routed("b", "w0", 1000, 16, now=1.0)

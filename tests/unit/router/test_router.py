@@ -132,8 +132,11 @@ def test_kv_fast_path_ranks_and_scores_as_the_generic_path(impl):
     from router.policies import Policy
 
     rng = random.Random(4)
-    fast = Router(build_policy("kv", overlap_weight=16.0, reuse_weight=8.0, request_weight=16.0, index=KvIndex(), seed=3))
-    slow = Router(Policy("kv", SoftmaxPicker(0.0, seed=3), [(KvCostScorer(16.0, 8.0, 16.0), 1.0)], KvIndex()))
+    # prefill drain off: it advances on the wall clock, which the two routers read at different times
+    fast = Router(build_policy("kv", overlap_weight=16.0, reuse_weight=8.0, request_weight=16.0, index=KvIndex(), seed=3),
+                  LoadTracker(drain=False))
+    slow = Router(Policy("kv", SoftmaxPicker(0.0, seed=3), [(KvCostScorer(16.0, 8.0, 16.0), 1.0)], KvIndex()),
+                  LoadTracker(drain=False))
     for r in (fast, slow):  # the same cached prefix on two of the workers
         for w in ("w1", "w3"):
             r.kv_index.store(w, [1, 2, 3], None, list(range(48)), 16)

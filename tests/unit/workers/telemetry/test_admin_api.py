@@ -1,4 +1,4 @@
-"""The admin targets API (orchestrator/admin.py): bearer auth, validation, versioning, OpenAI-style errors."""
+"""The admin targets API (orchestrator/routes/admin.py): bearer auth, validation, versioning, OpenAI-style errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from orchestrator.admin import make_admin_router
+from orchestrator.routes import make_admin_router
 from workers.telemetry import InMemoryTargetsStore, InMemoryTelemetryStore
 
 TOKEN = "s3cret"

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from .fake_engine import ThreadedEngine
+from orchestrator.testing.fake_engine import ThreadedEngine
 
 __all__ = ["HandoffBook", "FakePDEngine"]
 

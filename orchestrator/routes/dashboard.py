@@ -13,7 +13,7 @@
 
 An admin read: `Authorization: Bearer <admin token>`, or a loopback client when the AdminGuard allows
 loopback reads (orchestrator/security/guards.py); the admin token never appears in the body. Writes go
-through /admin/targets (orchestrator/admin.py).
+through /admin/targets (orchestrator/routes/admin.py).
 Rates of the newest, still-filling bucket are divided by the seconds it has covered so far.
 """
 

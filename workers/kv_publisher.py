@@ -1,5 +1,8 @@
 """KV-event publishing over ZMQ, exactly like vLLM 0.32's `ZmqEventPublisher` (engines.md §1).
 
+Used by the sim engine (`workers/sim`) and by the TensorRT-LLM worker's event relay
+(`workers/trtllm/relay.py`), which republishes the events it drains from trtllm-serve.
+
 - PUB socket (send HWM = `hwm`): binds when the endpoint contains `*` or `::` or starts with
   `ipc://` / `inproc://`, else connects. `tcp://*:0` binds an ephemeral port on 127.0.0.1.
 - One message per engine step that has events: `[topic, seq (8-byte big-endian, from 0), payload]`,
@@ -20,18 +23,28 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
 from workers.kv_events import KvEvent
-from workers.sim.config import KvEventsConfig
 from workers.vllm.kv_events import encode_batch
 
-__all__ = ["KvEventPublisher", "is_bind_endpoint"]
+__all__ = ["KvEventPublisher", "PublisherSettings", "is_bind_endpoint"]
 
 log = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class PublisherSettings(Protocol):
+    """What the publisher reads of a KV-events config (vLLM's `KVEventsConfig` fields)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    hwm: int
+    buffer_steps: int
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -39,7 +52,7 @@ def is_bind_endpoint(endpoint: str) -> bool:
 
 
 class KvEventPublisher:
-    def __init__(self, cfg: KvEventsConfig, dp_rank: int = 0,
+    def __init__(self, cfg: PublisherSettings, dp_rank: int = 0,
                  encode: Callable[[float, list[KvEvent], int | None], bytes] | None = None,
                  transform: Callable[[list[KvEvent]], list[KvEvent]] | None = None) -> None:
         """`encode(ts, events, dp_rank)` / `transform(events)`: another engine's payload (SGLang flavor)."""

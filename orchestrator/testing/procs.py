@@ -23,7 +23,7 @@ import httpx
 
 __all__ = ["free_port", "RedisServer", "Child", "KvyardCluster", "rss_and_fds", "cpu_seconds", "descendants"]
 
-ROOT = Path(__file__).resolve().parents[1]
+
 
 
 def free_port() -> int:
@@ -129,7 +129,7 @@ class Child:
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "info", *self.args], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "info", *self.args],
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.starts += 1
 
@@ -184,28 +184,32 @@ class KvyardCluster:
         self.workers: dict[str, Child] = {}
         self.frontends: dict[str, Child] = {}
         self.frontend_ports: dict[str, int] = {}
-        self._worker_args: dict[str, tuple[float, list[str] | None]] = {}
+        self._worker_args: dict[str, tuple] = {}
         self.engine_ports: dict[str, int] = {}  # worker name -> its engine's HTTP port (for direct probes)
         self.respawns = 0
 
-    def add_worker(self, name: str, speedup: float = 10.0, engine_args: list[str] | None = None) -> Child:
+    def add_worker(self, name: str, speedup: float = 10.0, engine_args: list[str] | None = None, backend: str = "sim",
+                   worker_args: list[str] | None = None) -> Child:
+        """`worker_args`: more `kvyard worker` flags (e.g. --role, --engine-cmd); `engine_args`: after `--`. The sim's
+        --speedup goes after `--` for backend sim; for another backend, the caller puts it in --engine-cmd."""
         port = free_port()
-        c = Child(name, ["worker", "--backend", "sim", "--model", "h200-llama3.1-8b", "--served-model-name", self.model,
+        tail = ["--speedup", str(speedup)] if backend == "sim" else []
+        c = Child(name, ["worker", "--backend", backend, "--model", "h200-llama3.1-8b", "--served-model-name", self.model,
                          "--port", str(port), "--kv-events-port", str(free_port()), "--redis-url", self.redis_url,
                          "--discovery-prefix", self.prefix, "--lease-ttl", str(self.lease_ttl_s),
                          "--drain-timeout", str(self.drain_timeout_s), "--max-model-len", str(self.max_model_len),
-                         "--", "--speedup", str(speedup), *(engine_args or [])], self.log_dir)
+                         *(worker_args or []), "--", *tail, *(engine_args or [])], self.log_dir)
         self.workers[name] = c
         self.engine_ports[name] = port
-        self._worker_args[name] = (speedup, engine_args)
+        self._worker_args[name] = (speedup, engine_args, backend, worker_args)
         c.start()
         return c
 
-    def add_frontend(self, name: str, policy: str = "kv", port: int | None = None) -> Child:
+    def add_frontend(self, name: str, policy: str = "kv", port: int | None = None, extra: list[str] | None = None) -> Child:
         port = port or free_port()
         self.frontend_ports[name] = port
         c = Child(name, ["frontend", "--port", str(port), "--grpc-port", "0", "--redis-url", self.redis_url,
-                         "--discovery-prefix", self.prefix, "--policy", policy], self.log_dir)
+                         "--discovery-prefix", self.prefix, "--policy", policy, *(extra or [])], self.log_dir)
         self.frontends[name] = c
         c.start()
         return c

@@ -18,7 +18,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-__all__ = ["FakeEngine", "ThreadedEngine", "free_port"]
+from workers.sim.backend import SIM_TOKENIZER_DIR
+from workers.types import WorkerInfo
+
+__all__ = ["FakeEngine", "ThreadedEngine", "free_port", "winfo"]
+
+
+def winfo(wid: str, url: str, max_model_len: int = 64) -> WorkerInfo:
+    """A registry entry for a fake engine at `url`: model "m", block size 16, the sim's tokenizer."""
+    return WorkerInfo(worker_id=wid, model="m", backend="sim", url=url, block_size=16, max_model_len=max_model_len,
+                      tokenizer=str(SIM_TOKENIZER_DIR))
 
 
 def free_port() -> int:

@@ -1,0 +1,52 @@
+"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models (base models and LoRA adapters).
+
+Each inference call is authorised (API key, rate limit; orchestrator/security/http.py), then served by the
+InferenceService (orchestrator/service.py): validation, routing, the engine call, relay, failover, migration.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from orchestrator.features_view import model_cards
+from orchestrator.lora import LoraConfig
+from orchestrator.pool import WorkerPool
+from orchestrator.security import InferenceGuard
+from orchestrator.security.http import authorize_inference
+from orchestrator.service import InferenceService
+
+__all__ = ["make_openai_router"]
+
+
+def make_openai_router(service: InferenceService, guard: InferenceGuard, pool: WorkerPool, max_body_bytes: int,
+                       lora: LoraConfig | None = None) -> APIRouter:
+    router = APIRouter()
+    lora = lora or LoraConfig()
+    base_of = {a.name: a.base_model for a in lora.adapters}  # a LoRA adapter is served by its base model's workers
+
+    def model_context(model: str) -> int | None:
+        info = pool.info_for(base_of.get(model, model))
+        return info.max_model_len if info else None
+
+    async def inference(request: Request, kind: str) -> Response:
+        request, grant = await authorize_inference(guard, request, kind, max_body_bytes, model_context)
+        response = await service.handle(request, kind)
+        if grant is not None:
+            response.headers.update(grant.headers())
+        return response
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await inference(request, "completions")
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await inference(request, "chat")
+
+    @router.get("/v1/models")
+    async def models(request: Request) -> Response:
+        guard.authenticate(request.headers, "http")
+        return JSONResponse({"object": "list", "data": model_cards(pool, lora)})  # base models, then LoRA adapters
+
+    return router
