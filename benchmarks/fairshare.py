@@ -58,8 +58,8 @@ def make_keys(folder: Path) -> tuple[Path, dict[str, str]]:
 
 class AdmissionCluster(Cluster):
     def __init__(self, args, fair: bool, keys_file: Path, tmp: Path, tag: str) -> None:
-        frontend = {"api_keys_file": str(keys_file), "max_inflight_per_model": args.max_inflight, "max_queued_per_model": 4096,
-                    "admission_timeout_s": args.admission_timeout, "fair_share": {"enabled": fair}}
+        frontend = {"security": {"api_keys_file": str(keys_file)}, "fair_share": {"enabled": fair},
+                    "admission": {"max_inflight_per_model": args.max_inflight, "max_queued_per_model": 4096, "timeout_s": args.admission_timeout}}
         self.setup(args, "kv", tmp, tag, args.num_gpu_blocks, ["--workers", str(args.workers)], frontend)
 
 

@@ -18,7 +18,7 @@ from workers.discovery import InMemoryDiscovery
 from workers.sim.backend import SIM_TOKENIZER_DIR
 from workers.types import WorkerInfo
 
-from .fake_engine import ThreadedEngine
+from orchestrator.testing.fake_engine import ThreadedEngine
 
 BASE = "m"
 
@@ -131,7 +131,7 @@ async def test_unknown_adapter_is_a_404_in_openai_shape():
 
 async def test_a_failed_load_moves_on_and_that_worker_is_not_asked_again_for_a_while():
     with AdapterEngine(refuse=True) as bad, AdapterEngine() as good:
-        async for app, client in stack(FrontendConfig(lora=LORA, refresh_interval_s=60, policy="round-robin"), [bad, good]):
+        async for app, client in stack(FrontendConfig(lora=LORA, refresh_interval_s=60, router={"policy": "round-robin"}), [bad, good]):
             for _ in range(3):
                 r = await client.post("/v1/completions", json=complete("ad-a"))
                 assert r.status_code == 200 and r.headers["x-kvyard-worker"] == "w1"
@@ -169,7 +169,7 @@ async def test_sglang_engines_get_the_adapter_as_lora_path():
 
 async def test_a_session_sticks_to_its_worker_and_a_bad_session_id_is_a_400():
     with AdapterEngine() as e0, AdapterEngine() as e1:
-        async for app, client in stack(FrontendConfig(refresh_interval_s=60, policy="round-robin"), [e0, e1]):
+        async for app, client in stack(FrontendConfig(refresh_interval_s=60, router={"policy": "round-robin"}), [e0, e1]):
             seen = {(await client.post("/v1/completions", json=complete(BASE), headers={"x-session-id": "conv-1"})).headers["x-kvyard-worker"]
                     for _ in range(5)}
             assert len(seen) == 1  # round-robin alone alternates
@@ -200,7 +200,7 @@ async def test_a_keys_priority_is_passed_to_the_engine_when_asked(tmp_path):
         keys[name] = key
         records.append(rec)
     save_key_file(tmp_path / "k.yaml", KeyFile(keys=records))
-    cfg = FrontendConfig(refresh_interval_s=60, api_keys_file=tmp_path / "k.yaml", fair_share={"engine_priority": True})
+    cfg = FrontendConfig(refresh_interval_s=60, security={"api_keys_file": tmp_path / "k.yaml"}, fair_share={"engine_priority": True})
     with AdapterEngine() as e0:
         async for app, client in stack(cfg, [e0]):
             for name, want in (("vip", -1), ("batch", 1), ("plain", 0)):

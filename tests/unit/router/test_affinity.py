@@ -99,17 +99,22 @@ def test_the_session_table_is_bounded_lru():
 
 def test_kv_stays_the_tie_break_behind_the_pin():
     """The kv policy ranks by cost; the stage moves only the pinned worker forward, the rest keep the kv order."""
-    aff = SessionAffinity(max_load_gap=10, clock=Clock())
-    r = Router(build_policy("kv", seed=1), stages=[aff])
     tokens = list(range(64))
-    r.kv_index.store("w2", [11, 12], None, tokens[:32], 16)  # w2 caches the prompt's first 2 blocks
-    r.kv_index.store("w1", [21], None, tokens[:16], 16)  # w1 its first block
-    aff.on_booked(req(0, "s"), eps(1)[0])  # the session is pinned on w0, which caches nothing
-    d = r.route(req(1, "s", tokens=tokens), eps(3))
+
+    def router(stages=()) -> Router:
+        r = Router(build_policy("kv", seed=1), stages=list(stages))
+        r.kv_index.store("w2", [11, 12], None, tokens[:32], 16)  # w2 caches the prompt's first 2 blocks
+        r.kv_index.store("w1", [21], None, tokens[:16], 16)  # w1 its first block
+        r.kv_index.add_worker("w0")  # w0 nothing
+        return r
+
+    plain = router().route(req(0, tokens=tokens), eps(3))
+    assert ids(plain.ranked) == ["w2", "w1", "w0"]  # no session: the kv cost alone
+    aff = SessionAffinity(max_load_gap=10, clock=Clock())
+    aff.on_booked(req(0, "s"), eps(1)[0])  # the session is pinned on w0
+    d = router([aff]).route(req(1, "s", tokens=tokens), eps(3))
     assert ids(d.ranked) == ["w0", "w2", "w1"]
-    assert d.scores["w2"] > d.scores["w1"] > d.scores["w0"]  # the kv cost alone would have ranked w2, w1, w0
-    d = r.route(req(2, tokens=tokens), eps(3))  # no session: kv decides
-    assert ids(d.ranked)[0] == "w2"
+    assert d.scores["w2"] > d.scores["w1"] > d.scores["w0"]
 
 
 def test_adapter_holders_first_unless_overloaded():
