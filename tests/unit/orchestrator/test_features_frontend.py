@@ -3,7 +3,6 @@ scriptable engines that speak vLLM's (or SGLang's) adapter API."""
 
 from __future__ import annotations
 
-import asyncio
 
 import httpx
 import pytest
