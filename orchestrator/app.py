@@ -35,14 +35,16 @@ from orchestrator.security import (
 )
 from orchestrator.security.origin import HostOriginGuard, default_allowed_hosts
 from orchestrator.service import InferenceService
+from orchestrator.sessions import build_affinity
 from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_store
 from router import Router, build_policy
 from router.events import KvEventIngestor
 from router.load import LoadTracker
+from router.plugins import AdapterAffinity
 from workers.discovery import Discovery, InMemoryDiscovery, RedisDiscovery
 from workers.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
 
-__all__ = ["create_app", "make_discovery", "make_guards"]
+__all__ = ["create_app", "make_discovery", "make_guards", "make_stages"]
 
 log = logging.getLogger("kvyard.frontend")
 
@@ -77,11 +79,18 @@ def make_guards(cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> 
     return InferenceGuard(keys, limiter, metrics=metrics), admin
 
 
+def make_stages(cfg: FrontendConfig) -> list:
+    """The router's stages, in order: LoRA adapter holders first, then the session's worker (router/interfaces.py)."""
+    stages: list = [AdapterAffinity(cfg.lora.max_load_gap)] if cfg.lora.adapters else []
+    affinity = build_affinity(cfg.affinity)
+    return stages + ([affinity] if affinity is not None else [])
+
+
 def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastAPI:
     discovery = discovery or make_discovery(cfg)
     metrics = FrontendMetrics()
     rcfg = cfg.router
-    router = Router(build_policy(rcfg.policy, **rcfg.policy_params()), LoadTracker(drain=rcfg.kv.prefill_drain))
+    router = Router(build_policy(rcfg.policy, **rcfg.policy_params()), LoadTracker(drain=rcfg.kv.prefill_drain), stages=make_stages(cfg))
     ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor,
                       scrape_timeout_s=cfg.scrape_timeout_s, liveness_failures=cfg.liveness_failures)
@@ -141,9 +150,9 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     app.add_middleware(HostOriginGuard, allowed_hosts=allowed_hosts, allowed_origins=frozenset(sec.allowed_origins),
                        on_refused=lambda code: metrics.requests.labels("", "host_origin_check", "403").inc())
     install_error_handlers(app, on_error=count_error)
-    app.include_router(make_openai_router(service, guard, pool, cfg.max_body_bytes))
+    app.include_router(make_openai_router(service, guard, pool, cfg.max_body_bytes, cfg.lora))
     app.include_router(make_ops_router(pool, metrics))
-    app.include_router(make_cluster_router(admin, pool, router, ingestor))
+    app.include_router(make_cluster_router(admin, pool, router, ingestor, service))
     app.include_router(make_dashboard_router(admin))  # GET /api/pools: an admin read
     app.include_router(make_admin_router(targets, admin, telemetry_store, on_error=count_error))
     return app

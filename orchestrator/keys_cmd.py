@@ -1,9 +1,13 @@
 """`kvyard keys`: manage the inference API key file (orchestrator/security/keys.py).
 
-    kvyard keys create --name team-a [--rpm 600] [--tpm 200000]   prints the new key ONCE
+    kvyard keys create --name team-a [--rpm 600] [--tpm 200000] [--priority high|normal|low] [--weight 2]
+                                                                  prints the new key ONCE
     kvyard keys list                                              ids, names, limits, state (never keys)
     kvyard keys revoke <id>                                       the key stops working within ~1 s
-    kvyard keys set-limits <id> [--rpm N|none] [--tpm N|none]
+    kvyard keys set-limits <id> [--rpm N|none] [--tpm N|none] [--priority P] [--weight W]
+
+--priority is the key's admission class (high requests are admitted before normal, normal before low) and
+--weight its share of admission slots against the other keys of its class when requests queue (default 1).
 
 The file is --file, else $KVYARD_API_KEYS_FILE, else .kvyard/api-keys.yaml; it is written atomically,
 mode 0600, and a running frontend (--api-keys-file) picks changes up without a restart. Every change
@@ -39,6 +43,16 @@ def _limit(raw: str) -> int | None:
     return value
 
 
+def _weight(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a weight is a number, got {raw!r}") from None
+    if not 0 < value <= 1000:
+        raise argparse.ArgumentTypeError("a weight is > 0 and <= 1000")
+    return value
+
+
 def add_keys_parser(sub) -> None:
     kp = sub.add_parser("keys", help="create, list and revoke inference API keys",
                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,6 +70,10 @@ def add_keys_parser(sub) -> None:
                            help="requests per minute (none: unlimited)")
             p.add_argument("--tpm", type=_limit, default=argparse.SUPPRESS if name == "set-limits" else None,
                            help="tokens per minute: prompt estimate + max_tokens (none: unlimited)")
+            p.add_argument("--priority", choices=["high", "normal", "low"], default=argparse.SUPPRESS if name == "set-limits" else "normal",
+                           help="admission class: high is admitted before normal, normal before low (default normal)")
+            p.add_argument("--weight", type=_weight, default=argparse.SUPPRESS if name == "set-limits" else 1.0,
+                           help="share of admission slots against the other keys of its class (default 1)")
 
 
 def _open(path: Path, create: bool) -> KeyFile:
@@ -91,17 +109,18 @@ def _run(ns: argparse.Namespace, path: Path) -> int:
     try:
         kf = _open(path, create=ns.keys_command == "create")
         if ns.keys_command == "create":
-            key, rec = generate_key(ns.name, ns.rpm, ns.tpm, existing={k.id for k in kf.keys})
+            key, rec = generate_key(ns.name, ns.rpm, ns.tpm, existing={k.id for k in kf.keys}, priority=ns.priority, weight=ns.weight)
             kf.keys.append(rec)
             save_key_file(path, kf)
             print(f"created key {rec.id} ({rec.name or 'no name'}) in {path}; store it now, it is not shown again:", file=sys.stderr)
             print(key)  # alone on stdout, so `KEY=$(kvyard keys create ...)` works
             return 0
         if ns.keys_command == "list":
-            print(f"{'id':12}  {'state':8}  {'rpm':>8}  {'tpm':>10}  {'created (UTC)':20}  name")
+            print(f"{'id':12}  {'state':8}  {'rpm':>8}  {'tpm':>10}  {'priority':8}  {'weight':>6}  {'created (UTC)':20}  name")
             for k in kf.keys:
                 created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(k.created_at)) if k.created_at else "-"
-                print(f"{k.id:12}  {'revoked' if k.revoked_at else 'active':8}  {k.rpm or '-':>8}  {k.tpm or '-':>10}  {created:20}  {k.name}")
+                print(f"{k.id:12}  {'revoked' if k.revoked_at else 'active':8}  {k.rpm or '-':>8}  {k.tpm or '-':>10}  {k.priority:8}  "
+                      f"{k.weight:>6g}  {created:20}  {k.name}")
             return 0
         rec = next((k for k in kf.keys if k.id == ns.key_id), None)
         if rec is None:
@@ -113,11 +132,11 @@ def _run(ns: argparse.Namespace, path: Path) -> int:
             save_key_file(path, kf)
             print(f"revoked key {rec.id} ({rec.name or 'no name'}); frontends reading {path} refuse it within a second or two")
             return 0
-        for field in ("rpm", "tpm"):
+        for field in ("rpm", "tpm", "priority", "weight"):
             if hasattr(ns, field):
                 setattr(rec, field, getattr(ns, field))
         save_key_file(path, kf)
-        print(f"key {rec.id}: rpm {rec.rpm or 'unlimited'}, tpm {rec.tpm or 'unlimited'}")
+        print(f"key {rec.id}: rpm {rec.rpm or 'unlimited'}, tpm {rec.tpm or 'unlimited'}, priority {rec.priority}, weight {rec.weight:g}")
         return 0
     except KeyFileError as exc:
         print(f"kvyard keys: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ from orchestrator.config import ClusterConfig
 from orchestrator.security.guards import is_loopback
 from workers.discovery import Discovery
 from workers.registry import create_backend
+from workers.vllm.features import lora_launch
 from orchestrator.disagg.launch import pd_launch
 from workers.process import cpus_but_first
 from workers.types import EngineLaunchConfig, WorkerRole
@@ -74,10 +75,14 @@ def engine_config(c: ClusterConfig, port: int, kv_events_endpoint: str | None, k
     extra = list(c.engine_args)
     if c.backend == "sim":
         extra += ["--speedup", str(c.speedup)]
+    env: dict[str, str] = {}
+    if c.frontend.lora.adapters and c.backend in ("sim", "vllm"):  # adapters are loaded at run time (orchestrator/lora.py)
+        lora_args, env = lora_launch(c.frontend.lora.max_per_worker, c.frontend.lora.max_lora_rank)
+        extra = lora_args + extra  # the cluster's own engine_args come later and win
     return EngineLaunchConfig(model=c.model, served_model_name=c.served_model_name, host=host, port=port, block_size=c.block_size,
                               max_model_len=c.max_model_len, kv_events_endpoint=kv_events_endpoint,
                               kv_replay_endpoint=kv_replay_endpoint, extra_args=extra, cpus=c.engine_cpus,
-                              engine_cmd=list(c.engine_cmd) if c.engine_cmd else None)
+                              engine_cmd=list(c.engine_cmd) if c.engine_cmd else None, env=env)
 
 
 def device_of(requested: str | None) -> str:

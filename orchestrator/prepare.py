@@ -1,6 +1,6 @@
 """A validated request's prompt tokens and limits, without stalling the event loop.
 
-    ids = await prep.prompt_ids(req, model, ctx)       # 400 context_length_exceeded when it cannot fit
+    ids, mm = await prep.prompt_ids(req, model, ctx, spec)  # 400 context_length_exceeded when it cannot fit
     prep.check_lengths(req, ids, ctx)                   # max_tokens against the context and the cap
     body, max_tokens = prep.fill_max_tokens(req, body, ids, ctx)
 
@@ -24,9 +24,11 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.errors import BadRequestError, ContextLengthError
+from orchestrator.multimodal import chat_prompt
 from orchestrator.pool import WorkerPool
 from orchestrator.protocol import ChatCompletionRequest
 from orchestrator.tokenizer import PromptTokenizer, load_tokenizer
+from workers.multimodal import ContentError, MmTokenSpec, flatten_messages
 
 __all__ = ["PromptPreparer", "INLINE_CHARS"]
 
@@ -37,6 +39,29 @@ def _too_long(ctx: int, n: int | None, chars: int | None, param: str) -> Context
     size = f"your prompt has {n} tokens" if n is not None else f"your prompt of {chars} characters cannot fit in it"
     return ContextLengthError(f"This model's maximum context length is {ctx} tokens. However, {size}. "
                               "Please reduce the length of the prompt.", param=param)
+
+
+class _NoTokenizer:
+    """Stands in for a tokenizer not loaded yet: chat parts are validated, nothing is tokenized."""
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return ""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return []
+
+
+class _GilFree:
+    """The tokenizer as chat_prompt uses it, encoding with the GIL released (orchestrator/tokenizer.py)."""
+
+    def __init__(self, tok: PromptTokenizer) -> None:
+        self._tok = tok
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return self._tok.render_chat(messages)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.count_or_ids(text, 1 << 62, add_special_tokens=add_special_tokens)[1]
 
 
 class PromptPreparer:
@@ -52,22 +77,26 @@ class PromptPreparer:
         folder = self.pool.tokenizer_dir(model)
         return load_tokenizer(folder) if folder is not None else None
 
-    async def prompt_ids(self, req, model: str, ctx: int) -> list[int]:
-        """The prompt's token ids (the longest prompt's, for a batch); [] without a tokenizer (the engine checks)."""
+    async def prompt_ids(self, req, model: str, ctx: int, mm_spec: MmTokenSpec | None = None) -> tuple[list[int], list]:
+        """(prompt token ids, multimodal items): the longest prompt's ids for a batch; a chat's image/audio parts become
+        placeholder runs (orchestrator/multimodal.py). ([], []) without a tokenizer: the engine checks lengths."""
         chat = isinstance(req, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
+        spec = mm_spec or MmTokenSpec()
         prompt = None if chat else req.prompt
         if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
             ids = list(prompt) if isinstance(prompt[0], int) else max(prompt, key=len)
             if len(ids) > ctx:
                 raise _too_long(ctx, len(ids), None, param)
-            return ids
+            return ids, []
         tok = self.tokenizer(model)
+        msgs = [m.model_dump() for m in req.messages] if chat else None
         if tok is None:  # no tokenizer reachable yet: route without token ids; the engine checks lengths
-            return []
+            if chat:  # the parts are still checked (400 for an unsupported one)
+                chat_prompt(_NoTokenizer(), msgs, spec)
+            return [], []
         if chat:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-            chars = sum(len(m["content"]) for m in msgs)
+            chars = sum(len(m.text()) for m in req.messages)
             texts = None
         else:
             texts = [prompt] if isinstance(prompt, str) else prompt
@@ -75,18 +104,25 @@ class PromptPreparer:
         if chars > ctx * tok.max_chars_per_token:
             raise _too_long(ctx, None, chars, param)
 
-        def tokenize() -> tuple[int, list[int] | None]:
-            if texts is None:  # the template carries any special tokens, as vLLM does for chat
-                return tok.count_or_ids(tok.render_chat(msgs), ctx, add_special_tokens=False)
-            return max((tok.count_or_ids(t, ctx) for t in texts), key=lambda r: r[0])
+        def tokenize() -> tuple[int, list[int] | None, list]:
+            if texts is not None:
+                return (*max((tok.count_or_ids(t, ctx) for t in texts), key=lambda r: r[0]), [])
+            try:
+                flat, items = flatten_messages(msgs)
+            except ContentError as exc:
+                raise BadRequestError(str(exc), param=exc.param) from exc
+            if not items:  # the template carries any special tokens, as vLLM does for chat
+                return (*tok.count_or_ids(tok.render_chat(flat), ctx, add_special_tokens=False), [])
+            ids, items = chat_prompt(_GilFree(tok), msgs, spec)
+            return len(ids), (ids if len(ids) <= ctx else None), items
 
         if chars > INLINE_CHARS:
-            n, ids = await asyncio.get_running_loop().run_in_executor(self._executor, tokenize)
+            n, ids, items = await asyncio.get_running_loop().run_in_executor(self._executor, tokenize)
         else:
-            n, ids = tokenize()
+            n, ids, items = tokenize()
         if ids is None:
             raise _too_long(ctx, n, None, param)
-        return ids
+        return ids, items
 
     def check_lengths(self, req, ids: list[int], ctx: int) -> None:
         want = req.requested_max_tokens()

@@ -35,11 +35,14 @@ from orchestrator.config import FrontendConfig
 from orchestrator.disagg.coordinator import protocol_of
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
 from orchestrator.errors import (
+    BadRequestError,
     KvyardError,
     ModelNotFoundError,
     ServiceUnavailableError,
 )
+from orchestrator.lora import LoraAdapterSpec, LoraManager, features_of
 from orchestrator.metrics import FrontendMetrics
+from orchestrator.multimodal import stamp_uuids
 from orchestrator.security.http import read_body
 from orchestrator.pool import WorkerPool
 from orchestrator.prepare import PromptPreparer
@@ -57,9 +60,11 @@ from orchestrator.resilience.migration import (
     strip_token_ids,
     usage_event,
 )
+from orchestrator.sessions import session_id_of
 from orchestrator.telemetry_recorder import FrontendTelemetry
 from orchestrator.streaming import StreamStats, relay_sse, sse_error_event
 from router import Endpoint, NoEndpointsError, RouteRequest, Router
+from workers.types import WorkerInfo
 
 __all__ = ["InferenceService", "Dispatched"]
 
@@ -127,7 +132,11 @@ class InferenceService:
             ac.max_inflight_per_model, ac.max_queued_per_model, ac.timeout_s, rc.retry_after_s,
             saturated=self.fleet_saturated, recheck_s=min(0.25, cfg.scrape_interval_s),
             on_reject=lambda model, reason: metrics.admission_rejected.labels(model, reason).inc(),
-            on_queue=lambda model, depth: metrics.admission_queue.labels(model).set(depth))
+            on_queue=lambda model, depth: metrics.admission_queue.labels(model).set(depth), fair=cfg.fair_share.enabled)
+        # LoRA adapters loaded on demand (orchestrator/lora.py); None when none is configured
+        self.lora = LoraManager(cfg.lora, self._protocol_of) if cfg.lora.adapters else None
+        if self.lora is not None:
+            pool.on_worker_left.append(self.lora.forget_worker)
         self._probing = False
         # engines that stop answering: out of routing, their requests in flight failed over (resilience/liveness.py)
         self.hung = HungWorkers(self._probe, self._trip, self._has_alternative)
@@ -143,6 +152,8 @@ class InferenceService:
         await self.admission.close()
         await self.client.close()
         self.prep.close()
+        if self.lora is not None:
+            await self.lora.close()
 
     # ---- worker health -----------------------------------------------------------------------
 
@@ -205,58 +216,108 @@ class InferenceService:
     async def _read_body(self, request: Request) -> bytes:
         return await read_body(request, self.cfg.max_body_bytes)  # 413 past the limit, as the auth layer reads it
 
+    # ---- LoRA adapters, engine fields ----------------------------------------------------------
+
+    def _protocol_of(self, worker_id: str) -> str | None:
+        live = self.pool.workers.get(worker_id)
+        return protocol_of(live.info) if live is not None else None
+
+    async def _prepare_adapter(self, rreq: RouteRequest, adapter: LoraAdapterSpec, decision) -> None:
+        """Load the adapter on the first worker of the ranking that can (orchestrator/lora.py) and move the booking
+        there if that is not the router's first choice; decision.ranked becomes that worker, then the other holders."""
+        first = decision.ranked[0]
+        decision.ranked = await self.lora.prepare(adapter, decision.ranked)
+        if decision.ranked[0] is not first:
+            self.router.on_complete(rreq.request_id)
+            self.router.book(rreq, decision.ranked[0])
+        self.lora.begin(rreq.request_id, decision.ranked[0].worker_id, adapter.name)
+
+    def _engine_fields(self, body: dict, info: WorkerInfo, adapter: LoraAdapterSpec | None, mm_items: list, priority: str) -> dict:
+        """What the engine needs beyond the client's body: the adapter's fields, the multimodal identifiers, the
+        key's priority (each in the engine's own words, workers/<backend>/features.py)."""
+        proto = protocol_of(info)
+        feats = features_of(proto)
+        if adapter is not None and feats is not None:
+            body = {**body, **feats.lora_request_fields(adapter.name, adapter.base_model)}
+        if mm_items and proto == "vllm" and self.cfg.multimodal.stamp_uuids:
+            body = stamp_uuids(body)
+        if self.cfg.fair_share.engine_priority and feats is not None and "priority" not in body:
+            body = {**body, "priority": feats.priority_value(priority)}
+        return body
+
+    def _adapter_holders(self, rreq: RouteRequest, endpoints: list[Endpoint]) -> list[Endpoint]:
+        """Failover for an adapter's request: only workers that hold the adapter (others would answer 404)."""
+        if rreq.lora_name and self.lora is not None:
+            return self.lora.holders(rreq.lora_name, endpoints)
+        return endpoints
+
     # ---- the request path --------------------------------------------------------------------
 
-    async def dispatch(self, raw: bytes, kind: str, request_id: str | None = None, key_id: str | None = None) -> Dispatched:
+    async def dispatch(self, raw: bytes, kind: str, request_id: str | None = None, key_id: str | None = None, *,
+                       session_id: str | None = None, priority: tuple[str, float] = ("normal", 1.0)) -> Dispatched:
         """Validate, admit, route and open the engine response; transport-neutral (HTTP and gRPC call this).
 
         On return the engine has answered with headers; the caller must consume the response with
         `stream_events` / `unary_body`, or `release` it, so the router's bookkeeping and the
-        admission slot are closed. `key_id` names the client's API key (per-key rate limits).
+        admission slot are closed. `key_id` names the client's API key (per-key rate limits); `priority` is
+        its (class, weight) in the admission queue; `session_id` the conversation (session affinity).
         """
         t0 = time.perf_counter()
         self._start_probes()
         path, model_cls = _KINDS[kind]
         req, body = parse_request(raw, model_cls)
         body = self.fields.filter(kind, body)  # engine-internal fields never come from a client (request_fields.py)
-        info = self.pool.info_for(req.model)
+        adapter = self.lora.resolve(req.model) if self.lora is not None else None  # a LoRA adapter: its base model serves it
+        model = adapter.base_model if adapter is not None else req.model
+        info = self.pool.info_for(model)
         if info is None:
             if not self.pool.workers or not self.pool.discovery_ok:
                 # knowing no worker at all (just started, or the registry was emptied by a Redis restart while the
                 # workers re-register), or cut off from discovery, the frontend cannot tell a wrong name from a fleet
                 # on its way: retryable 503, not a 404 that tells the client the model does not exist
-                raise ServiceUnavailableError(f"no worker of `{req.model}` is known yet; retry shortly", retry_after=self.cfg.resilience.retry_after_s)
+                raise ServiceUnavailableError(f"no worker of `{model}` is known yet; retry shortly", retry_after=self.cfg.resilience.retry_after_s)
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
-        ctx = self.pool.context_len(req.model) or info.max_model_len
-        try:
-            ids = await self.prep.prompt_ids(req, req.model, ctx)  # long prompts off the loop (prepare.py)
+        ctx = self.pool.context_len(model) or info.max_model_len
+        try:  # long prompts are tokenized off the loop (prepare.py)
+            ids, mm_items = await self.prep.prompt_ids(req, model, ctx, self.cfg.multimodal.spec())
             self.prep.check_lengths(req, ids, ctx)
             body, max_tokens = self.prep.fill_max_tokens(req, body, ids, ctx)
-            ticket = await self.admission.admit(req.model, key_id)
+            ticket = await self.admission.admit(model, key_id, *priority)
         except asyncio.CancelledError:  # the client left while its prompt was tokenized or it was queued
-            self.metrics.requests.labels(req.model, "generate", "cancelled").inc()
+            self.metrics.requests.labels(model, "generate", "cancelled").inc()
             raise
         if ticket.queued_s:
-            self.metrics.admission_wait.labels(req.model).observe(ticket.queued_s)
+            self.metrics.admission_wait.labels(model).observe(ticket.queued_s)
+        rid = request_id or f"kvy-{uuid.uuid4().hex}"
+        booked = False
         try:
-            endpoints = self.routable(req.model)
-            if not endpoints and self.pool.endpoints(req.model):
+            endpoints = self.routable(model)
+            if not endpoints and self.pool.endpoints(model):
                 wait = max(self.cfg.resilience.retry_after_s, self.breakers.retry_after_s())
-                raise ServiceUnavailableError(f"every worker of `{req.model}` is failing its health checks; retry shortly", retry_after=wait)
-            rid = request_id or f"kvy-{uuid.uuid4().hex}"
-            rreq = RouteRequest(request_id=rid, model=req.model, token_ids=ids, max_tokens=max_tokens or 0)
-            disagg = self.disagg if self.disagg is not None and self.disagg.applies(req.model) else None
+                raise ServiceUnavailableError(f"every worker of `{model}` is failing its health checks; retry shortly", retry_after=wait)
+            rreq = RouteRequest(request_id=rid, model=model, token_ids=ids, max_tokens=max_tokens or 0, session_id=session_id,
+                                lora_name=adapter.name if adapter is not None else None, mm_items=tuple(mm_items))
+            disagg = self.disagg if self.disagg is not None and self.disagg.applies(model) else None
+            if adapter is not None:
+                if disagg is not None:
+                    raise BadRequestError(f"LoRA adapter `{adapter.name}` cannot be served: `{model}` runs disaggregated", param="model")
+                self.lora.annotate(endpoints)
             try:
                 decision = disagg.route_decode(rreq, endpoints) if disagg else self.router.route(rreq, endpoints)
             except NoEndpointsError as exc:
-                raise ServiceUnavailableError(f"no worker is ready to serve `{req.model}`; retry shortly", retry_after=self.cfg.resilience.retry_after_s) from exc
+                raise ServiceUnavailableError(f"no worker is ready to serve `{model}`; retry shortly", retry_after=self.cfg.resilience.retry_after_s) from exc
+            booked = True
+            if adapter is not None:  # the first worker that has, or now loads, the adapter (orchestrator/lora.py)
+                await self._prepare_adapter(rreq, adapter, decision)
         except BaseException:
+            if booked:
+                self.router.on_complete(rid)
             ticket.release()
             raise
         self.metrics.decision_time.observe(self.router.last_decision_s)
         if self.telemetry is not None:
-            self.telemetry.on_arrival(req.model)
-        self.metrics.isl.labels(req.model).observe(len(ids))
+            self.telemetry.on_arrival(model)
+        self.metrics.isl.labels(model).observe(len(ids))
         blocker = migration_blocker(kind, body, bool(ids)) if self.cfg.resilience.max_migrations else "migration disabled"
         strip_ids = False
         send_body = body
@@ -266,11 +327,12 @@ class InferenceService:
             if blocker is None and protocol_of(info) == "vllm" and not body.get("return_token_ids"):
                 send_body["return_token_ids"] = True  # exact continuation prompts (resilience/migration.py)
                 strip_ids = True
+        send_body = self._engine_fields(send_body, info, adapter, mm_items, priority[0])
         payload = json.dumps(send_body).encode()
         d = Dispatched(rreq, endpoints[0], None, req.stream, req.include_usage, t0, kind=kind, path=path, body=body,  # type: ignore[arg-type]
                        payload=payload, prompt_ids=ids, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
                        deadline=t0 + self.cfg.resilience.request_timeout_s, ticket=ticket)
-        self.metrics.inflight.labels(req.model).inc()
+        self.metrics.inflight.labels(model).inc()
         try:
             if disagg:  # the disagg hook: prefill remotely (or not), then the decode response is relayed as usual
                 d.endpoint, d.resp = await disagg.send(rreq, send_body, payload, decision, path, req.stream)
@@ -279,15 +341,17 @@ class InferenceService:
         except BaseException as exc:
             self._finish(rreq, t0, "cancelled" if isinstance(exc, asyncio.CancelledError) else "error", ticket=ticket)
             raise
-        self.metrics.routed.labels(req.model, d.endpoint.worker_id, decision.policy).inc()
+        self.metrics.routed.labels(model, d.endpoint.worker_id, decision.policy).inc()
         ep = d.endpoint
+        if adapter is not None:
+            self.lora.begin(rid, ep.worker_id, adapter.name)
         if ids and ep.block_size:
             overlap = decision.overlap_of(ep)
-            self.metrics.overlap_blocks.labels(req.model).inc(overlap)
+            self.metrics.overlap_blocks.labels(model).inc(overlap)
             if decision.overlap_blocks:
-                self.metrics.best_overlap_blocks.labels(req.model).inc(max(decision.overlap_blocks.values()))
-            self.metrics.prompt_blocks.labels(req.model).inc(len(ids) // ep.block_size)
-            self.metrics.kv_hit_rate.labels(req.model).observe(min(1.0, overlap * ep.block_size / len(ids)))
+                self.metrics.best_overlap_blocks.labels(model).inc(max(decision.overlap_blocks.values()))
+            self.metrics.prompt_blocks.labels(model).inc(len(ids) // ep.block_size)
+            self.metrics.kv_hit_rate.labels(model).observe(min(1.0, overlap * ep.block_size / len(ids)))
         return d
 
     async def release(self, d: Dispatched, status: str) -> bytes:
@@ -307,8 +371,11 @@ class InferenceService:
         with its end) or being read cancels it, which drops the engine connection (the engine aborts the
         request), frees the admission slot and counts it `cancelled`. A stream is then watched by Starlette."""
         key_id = getattr(request.state, "api_key_id", None)  # set by the auth layer when API keys are on
+        priority = getattr(request.state, "api_key_priority", ("normal", 1.0))  # the key's admission class and weight
+        header = self.cfg.affinity.header
+        session = session_id_of(request.headers.get(header), header)
         raw = await self._read_body(request)
-        work = asyncio.ensure_future(self._respond(raw, kind, request.headers.get("x-request-id"), key_id))
+        work = asyncio.ensure_future(self._respond(raw, kind, request.headers.get("x-request-id"), key_id, session, priority))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -320,8 +387,9 @@ class InferenceService:
         finally:
             gone.cancel()
 
-    async def _respond(self, raw: bytes, kind: str, request_id: str | None, key_id: str | None) -> Response:
-        d = await self.dispatch(raw, kind, request_id, key_id)
+    async def _respond(self, raw: bytes, kind: str, request_id: str | None, key_id: str | None, session: str | None,
+                       priority: tuple[str, float]) -> Response:
+        d = await self.dispatch(raw, kind, request_id, key_id, session_id=session, priority=priority)
         headers = {"x-request-id": d.rreq.request_id, "x-kvyard-worker": d.endpoint.worker_id}
         if d.resp.status_code >= 400:  # the engine refused the request (client error): pass it on as is
             body_bytes = await self.release(d, str(d.resp.status_code))
@@ -501,7 +569,7 @@ class InferenceService:
 
     async def _resend(self, d: Dispatched) -> None:
         """Nothing reached the client yet: send the original request to another worker."""
-        endpoints = [e for e in self.routable(d.rreq.model) if e.worker_id not in d.failed]
+        endpoints = self._adapter_holders(d.rreq, [e for e in self.routable(d.rreq.model) if e.worker_id not in d.failed])
         if not endpoints:
             raise _Ended("the engine stream failed and no other worker is available")
         self.router.on_complete(d.rreq.request_id)
@@ -550,14 +618,14 @@ class InferenceService:
         if self._remaining(d) <= 0:
             self.metrics.deadline_exceeded.labels(model).inc()
             raise end("exhausted", f"the request deadline of {self.cfg.resilience.request_timeout_s:g}s passed")
-        endpoints = [e for e in self.routable(model) if e.worker_id not in d.failed]
+        endpoints = self._adapter_holders(d.rreq, [e for e in self.routable(model) if e.worker_id not in d.failed])
         if not endpoints:
             raise end("exhausted", "the engine stream failed mid-way and no other worker is available to continue it")
         body = continuation_body(d.kind, d.body, d.prompt_ids, gen_ids, tracker.text, n_gen, d.max_tokens, d.strip_ids)
         payload = json.dumps(body).encode()
         rreq = RouteRequest(request_id=d.rreq.request_id, model=model,
                             token_ids=body["prompt"] if isinstance(body["prompt"], list) else [],
-                            max_tokens=body.get("max_tokens") or 0)
+                            max_tokens=body.get("max_tokens") or 0, lora_name=d.rreq.lora_name, session_id=d.rreq.session_id)
         self.router.on_complete(d.rreq.request_id)
         try:
             decision = self.router.route(rreq, endpoints)
@@ -593,7 +661,7 @@ class InferenceService:
                     await d.resp.aclose()
                     self._worker_failed(d, d.endpoint, str(exc))
                     log.warning("engine %s failed mid-response for %s: %s", d.endpoint.worker_id, rreq.request_id, exc)
-                    endpoints = [e for e in self.routable(rreq.model) if e.worker_id not in d.failed]
+                    endpoints = self._adapter_holders(rreq, [e for e in self.routable(rreq.model) if e.worker_id not in d.failed])
                     if not endpoints or self._remaining(d) <= 0:
                         raise ServiceUnavailableError(f"the engine failed mid-response: {type(exc).__name__}",
                                                       retry_after=self.cfg.resilience.retry_after_s) from exc
@@ -629,6 +697,8 @@ class InferenceService:
         """Close the books on a request, on every path: router load, admission slot, metrics, telemetry."""
         duration = time.perf_counter() - t0
         self.router.on_complete(rreq.request_id)
+        if rreq.lora_name and self.lora is not None:
+            self.lora.end(rreq.request_id)
         if ticket is not None:
             ticket.release()
         self.metrics.inflight.labels(rreq.model).dec()

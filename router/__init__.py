@@ -6,7 +6,7 @@ The I/O edge that feeds the prefix index from engines' KV events is router.event
 
 from router.errors import BlockHashError, KvEventRejected, RouterError
 from router.hashing import block_hashes
-from router.interfaces import Picker, Scorer
+from router.interfaces import Picker, Scorer, Stage
 from router.kv_index import KvIndex
 from router.load import LoadTracker
 from router.policies import Policy, build_policy, policy_names
@@ -28,6 +28,7 @@ __all__ = [
     "RouterError",
     "RoutingDecision",
     "Scorer",
+    "Stage",
     "block_hashes",
     "build_policy",
     "policy_names",

@@ -11,8 +11,9 @@ request's hashes: `find_matches(h) = {worker: number of consecutive blocks from 
 AND-ing the owner masks and stopping as soon as no worker is left (MaskTable.match, in C).
 
 Events (engine-neutral, workers/kv_events.py):
-    BlockStored(block_hashes, parent, token_ids, block_size, lora_name)
-        our hashes = block_hashes(token_ids, block_size, lora_name, parent=blocks[parent]);
+    BlockStored(block_hashes, parent, token_ids, block_size, lora_name, mm_keys)
+        our hashes = block_hashes(token_ids, block_size, lora_name, parent=blocks[parent]), with each block's
+        multimodal keys mixed in when it has any (router/mm_hashing.py);
         a parent id the worker never stored is rejected (as Dynamo does): its chain is unknown.
     BlockRemoved(block_hashes)      engine ids the worker never stored are ignored.
     AllBlocksCleared / remove_worker   drop exactly that worker's entries.
@@ -51,6 +52,7 @@ from router._kernels import MaskTable
 from router.config import KV_DEFAULTS
 from router.errors import BlockHashError, KvEventRejected
 from router.hashing import block_hashes
+from router.mm_hashing import mm_block_hashes
 from router.kv_approx import Predicted
 from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
@@ -188,7 +190,8 @@ class KvIndex:
         if isinstance(event, BlockStored):
             if event.medium not in _GPU:
                 return 0
-            return self.store(worker_id, event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_name)
+            return self.store(worker_id, event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_name,
+                              event.mm_keys)
         if isinstance(event, BlockRemoved):
             return 0 if event.medium not in _GPU else self.remove(worker_id, event.block_hashes)
         if isinstance(event, AllBlocksCleared):
@@ -207,7 +210,8 @@ class KvIndex:
                 rejected.append(exc)
         return rejected
 
-    def store(self, worker_id: str, engine_hashes: list[int], parent: int | None, token_ids, block_size: int, lora_name: str | None = None) -> int:
+    def store(self, worker_id: str, engine_hashes: list[int], parent: int | None, token_ids, block_size: int, lora_name: str | None = None,
+              mm_keys: list | None = None) -> int:
         n = len(engine_hashes)
         if not isinstance(block_size, int) or block_size < 1:
             raise KvEventRejected(f"BlockStored from {worker_id}: block_size {block_size!r} is not a positive int")
@@ -225,7 +229,10 @@ class KvIndex:
             if ours_parent is None:
                 raise KvEventRejected(f"BlockStored from {worker_id}: parent block {parent} was never stored there")
         try:
-            ours = block_hashes(token_ids, block_size, lora_name, ours_parent)
+            if mm_keys:
+                ours = mm_block_hashes(token_ids, block_size, lora_name, mm_keys, ours_parent)
+            else:
+                ours = block_hashes(token_ids, block_size, lora_name, ours_parent)
         except BlockHashError as exc:
             raise KvEventRejected(f"BlockStored from {worker_id}: {exc}") from exc
         try:

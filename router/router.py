@@ -1,13 +1,15 @@
 """Router: the one entry point the frontend calls per request.
 
 route() = merge loads -> match the prompt prefix (policies with a KV index) -> score (weighted,
-clamped) -> pick (ranking) -> book the load on the best endpoint. The kv policy with its argmax picker (the
+clamped) -> pick (ranking) -> stages (router/interfaces.py: session affinity, LoRA adapter holders; each may move
+endpoints forward) -> book the load on the best endpoint. The kv policy with its argmax picker (the
 default) scores and ranks in one C pass (router/_kernels.py, kv_rank), with the same result.
 
 The prefix step hashes the prompt once (router/hashing.py, at the block size of the first
 endpoint; a model's workers share one) into `request.block_hashes` (a uint64 memoryview: a
 read-only sequence of ints, with no int object per block) and looks it up in the
-policy's index into `request.overlap_blocks`, which scorers read. Booking charges the endpoint
+policy's index into `request.overlap_blocks`, which scorers read. A prompt with images or audio
+(`request.mm_items`) is hashed with their keys mixed in (router/mm_hashing.py). Booking charges the endpoint
 with the prompt tokens not cached there and, for workers without KV events, records the blocks
 as predicted cache contents. The frontend reports back with on_first_token() and on_complete()
 on every path (success, error, cancel, failover), which keeps the predicted load honest.
@@ -20,8 +22,10 @@ import time
 
 from router import _kernels
 from router.hashing import block_hashes_view
+from router.interfaces import Stage
 from router.kv_index import KvIndex
 from router.load import LoadTracker
+from router.mm_hashing import mm_block_hashes_view
 from router.plugins.kv import KvCostScorer
 from router.plugins.pickers import MaxScorePicker
 from router.policies import Policy, build_policy
@@ -35,9 +39,10 @@ class NoEndpointsError(LookupError):
 
 
 class Router:
-    def __init__(self, policy: Policy | str = "round-robin", load: LoadTracker | None = None) -> None:
+    def __init__(self, policy: Policy | str = "round-robin", load: LoadTracker | None = None, stages: list[Stage] | tuple = ()) -> None:
         self.policy = build_policy(policy) if isinstance(policy, str) else policy
         self.loads = load or LoadTracker()
+        self.stages: list[Stage] = list(stages)
         self.last_decision_s = 0.0
 
     @property
@@ -68,6 +73,8 @@ class Router:
             scores = self._score(request, endpoints)
             ranked = picker.rank(scores, endpoints)
             decision = RoutingDecision(ranked, scores, policy.name, request.overlap_blocks)
+        for stage in self.stages:
+            ranked = decision.ranked = stage.rerank(request, ranked)
         self.book(request, ranked[0])
         self.last_decision_s = time.perf_counter() - t0
         return decision
@@ -81,6 +88,8 @@ class Router:
         index = self.policy.index
         if index is not None and request.block_hashes and bs == request.hashed_block_size:
             index.record_routed(wid, request.block_hashes, cached=cached // bs)
+        for stage in self.stages:
+            stage.on_booked(request, endpoint)
 
     def on_first_token(self, request_id: str) -> None:
         self.loads.on_first_token(request_id)
@@ -90,6 +99,8 @@ class Router:
 
     def remove_worker(self, worker_id: str) -> None:
         self.loads.remove_worker(worker_id)
+        for stage in self.stages:
+            stage.remove_worker(worker_id)
         if self.policy.index is not None:
             self.policy.index.remove_worker(worker_id)
 
@@ -99,7 +110,10 @@ class Router:
 
     def _match_prefix(self, request: RouteRequest, block_size: int) -> None:
         if request.block_hashes is None or request.hashed_block_size != block_size:
-            request.block_hashes = block_hashes_view(request.token_ids, block_size, request.lora_name)
+            if request.mm_items:
+                request.block_hashes = mm_block_hashes_view(request.token_ids, block_size, request.lora_name, request.mm_items)
+            else:
+                request.block_hashes = block_hashes_view(request.token_ids, block_size, request.lora_name)
             request.hashed_block_size = block_size
         request.overlap_blocks = self.policy.index.find_matches(request.block_hashes)
 

@@ -16,7 +16,11 @@ class RouteRequest:
     model: str
     token_ids: list[int] = field(default_factory=list)
     max_tokens: int = 0
-    lora_name: str | None = None
+    lora_name: str | None = None  # a LoRA adapter's name: seeds the block hashes (router/hashing.py)
+    session_id: str | None = None  # a client's conversation id (x-session-id): read by session affinity
+    # multimodal items in the prompt: (identifier, offset, length) of each item's placeholder tokens, by offset
+    # (router/mm_hashing.py mixes them into the hashes of the blocks they cover)
+    mm_items: tuple[tuple[str, int, int], ...] = ()
     # Filled by Router.route when the policy has a KV index (read by scorers, never written by them):
     block_hashes: Sequence[int] | None = None  # chained hashes of the full blocks (router/hashing.py)
     hashed_block_size: int = 0  # the block size block_hashes were computed for
@@ -48,6 +52,7 @@ class Endpoint:
     block_size: int = 16
     role: str = "both"
     load: EndpointLoad = field(default_factory=EndpointLoad)
+    adapters: frozenset[str] = frozenset()  # LoRA adapters loaded on the engine (set by the frontend when it knows)
 
 
 class RoutingDecision:

@@ -24,6 +24,9 @@ class BlockStored:
     block_size: int
     lora_name: str | None = None
     medium: str | None = None
+    # per block: the multimodal items it covers, ((identifier, item offset - block start), ...) or None; None when
+    # no block has any (workers/multimodal.py; the router mixes them into its hashes, router/mm_hashing.py)
+    mm_keys: list[tuple[tuple[str, int], ...] | None] | None = None
 
 
 @dataclass(slots=True)

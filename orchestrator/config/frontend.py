@@ -8,6 +8,8 @@
       security:    admin token, API keys, rate-limit store, TLS (orchestrator/security)
       telemetry:   per-pool telemetry for the planner
       disagg:      disaggregated prefill/decode (orchestrator/disagg)
+      lora, affinity, multimodal, fair_share:  LoRA adapters, session affinity, image/audio parts, admission order
+                   (docs/features.md; each model lives next to its code)
 
 Every model forbids unknown keys, so a typo in a YAML file is an error that names it.
 """
@@ -19,6 +21,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.lora import LoraConfig
+from orchestrator.multimodal import MultimodalConfig
+from orchestrator.resilience.fairshare import FairShareConfig
+from orchestrator.sessions import AffinityConfig
 from orchestrator.request_fields import RequestFieldsConfig
 from router.config import RouterConfig
 
@@ -152,6 +158,12 @@ class FrontendConfig(BaseModel):
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="admin token, API keys, TLS")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="telemetry for the planner")
     disagg: DisaggConfig = Field(default_factory=DisaggConfig, description="disaggregated prefill/decode")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters loaded on demand (orchestrator/lora.py)")
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig, description="session affinity (orchestrator/sessions.py)")
+    multimodal: MultimodalConfig = Field(default_factory=MultimodalConfig, description="image and audio parts of chat "
+                                                                                       "messages (orchestrator/multimodal.py)")
+    fair_share: FairShareConfig = Field(default_factory=FairShareConfig, description="admission order: priority classes, "
+                                                                                    "fair share across keys")
 
 
 class FrontendFile(BaseModel):

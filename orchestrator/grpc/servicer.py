@@ -174,7 +174,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if len(payload) > limit:
             raise PayloadTooLargeError(f"request is {len(payload)} bytes as JSON; the limit is {limit}")
         if principal is not None:  # the admission queue's per-key hook
-            return await self.service.dispatch(payload, "completions", request_id, key_id=principal.key_id)
+            return await self.service.dispatch(payload, "completions", request_id, key_id=principal.key_id,
+                                               priority=(principal.priority, principal.weight))
         return await self.service.dispatch(payload, "completions", request_id)
 
     async def _unary(self, request, body: dict, prepend: bool, d: Dispatched) -> pb.ModelInferResponse:

@@ -1,11 +1,15 @@
 """Admission control: a bounded queue per model in front of the engines.
 
-    admit(model, key_id)
+    admit(model, key_id, priority, weight)
       1. per-key rate limit (optional hook, e.g. orchestrator.auth's limiter)  -> 429 rate_limit_exceeded
-      2. a free slot (in flight < max_inflight) and the fleet not saturated   -> admitted now
-      3. else, if fewer than max_queued are waiting                            -> wait in FIFO order,
-         at most queue_timeout_s                                               -> 503 + Retry-After
+      2. a free slot (in flight < max_inflight), the fleet not saturated and
+         nobody queued                                                         -> admitted now
+      3. else, if fewer than max_queued are waiting                            -> wait, at most queue_timeout_s
+                                                                                  -> 503 + Retry-After
       4. else                                                                  -> 503 + Retry-After at once
+    Waiters are granted by priority class (high, normal, low), and within a class by weighted fair share
+    across API keys (resilience/fairshare.py: a key's weight and class come from its key record); with
+    `fair=False`, in plain FIFO order.
 
 429 means "you, the client, are over your rate"; 503 means "the fleet is full, come back later".
 
@@ -24,12 +28,12 @@ which is idempotent.
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.errors import ServiceUnavailableError
+from orchestrator.resilience.fairshare import FairQueue
 
 __all__ = ["AdmissionController", "Ticket", "worker_saturated"]
 
@@ -42,19 +46,24 @@ def worker_saturated(kv_usage: float | None, waiting: float | None, kv_threshold
     return kv_usage >= kv_threshold and waiting >= queue_threshold
 
 
+def _alive(fut: asyncio.Future) -> bool:
+    return not fut.done()
+
+
 @dataclass(slots=True)
 class _ModelQueue:
     inflight: int = 0
-    waiters: collections.deque = field(default_factory=collections.deque)  # of asyncio.Future
+    waiters: FairQueue = field(default_factory=lambda: FairQueue(alive=_alive))  # of asyncio.Future
 
 
 class Ticket:
     """An admitted request's slot; release it exactly once (extra calls are ignored)."""
 
-    __slots__ = ("_ctl", "model", "key_id", "queued_s", "_released")
+    __slots__ = ("_ctl", "model", "key_id", "queued_s", "_released", "priority")
 
-    def __init__(self, ctl: "AdmissionController", model: str, key_id: str | None, queued_s: float) -> None:
+    def __init__(self, ctl: "AdmissionController", model: str, key_id: str | None, queued_s: float, priority: str = "normal") -> None:
         self._ctl, self.model, self.key_id, self.queued_s, self._released = ctl, model, key_id, queued_s, False
+        self.priority = priority
 
     def release(self) -> None:
         if not self._released:
@@ -67,7 +76,7 @@ class AdmissionController:
                  retry_after_s: float = 1.0, saturated: Callable[[str], bool] | None = None,
                  recheck_s: float = 0.25, rate_limiter: RateLimiter | None = None,
                  on_reject: Callable[[str, str], None] | None = None,
-                 on_queue: Callable[[str, int], None] | None = None) -> None:
+                 on_queue: Callable[[str, int], None] | None = None, fair: bool = True) -> None:
         self.max_inflight = max_inflight  # 0: no limit on in-flight requests (saturation still applies)
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
@@ -77,6 +86,7 @@ class AdmissionController:
         self.rate_limiter = rate_limiter
         self.on_reject = on_reject or (lambda model, reason: None)
         self.on_queue = on_queue or (lambda model, depth: None)
+        self.fair = fair  # priority classes and weighted fair share across keys; False: one FIFO
         self._q: dict[str, _ModelQueue] = {}
         self._pokers: dict[str, asyncio.Task] = {}
 
@@ -88,6 +98,10 @@ class AdmissionController:
         q = self._q.get(model)
         return len(q.waiters) if q else 0
 
+    def queued_by_class(self) -> dict[str, dict[str, int]]:
+        """Per model: waiters per priority class (for /api/cluster and the dashboard)."""
+        return {m: q.waiters.depth_by_class() for m, q in self._q.items()}
+
     def _has_room(self, model: str, q: _ModelQueue) -> bool:
         if self.max_inflight and q.inflight >= self.max_inflight:
             return False
@@ -97,18 +111,20 @@ class AdmissionController:
         self.on_reject(model, reason)
         return ServiceUnavailableError(message, code="overloaded", retry_after=self.retry_after_s)
 
-    async def admit(self, model: str, key_id: str | None = None) -> Ticket:
+    async def admit(self, model: str, key_id: str | None = None, priority: str = "normal", weight: float = 1.0) -> Ticket:
         if self.rate_limiter is not None:
             self.rate_limiter(key_id, model)  # raises RateLimitError (429) for a client over its rate
-        q = self._q.setdefault(model, _ModelQueue())
-        if not q.waiters and self._has_room(model, q):
+        q = self._q.get(model)
+        if q is None:
+            q = self._q[model] = _ModelQueue(waiters=FairQueue(self.fair, _alive))
+        if not len(q.waiters) and self._has_room(model, q):
             q.inflight += 1
-            return Ticket(self, model, key_id, 0.0)
+            return Ticket(self, model, key_id, 0.0, priority)
         if len(q.waiters) >= self.max_queued:
             raise self._reject(model, "queue_full", f"`{model}` is at capacity and {len(q.waiters)} requests are already queued; retry later")
         t0 = time.perf_counter()
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        q.waiters.append(fut)
+        q.waiters.push(fut, key_id, priority, weight)
         self.on_queue(model, len(q.waiters))
         self._ensure_poker(model)
         try:
@@ -128,24 +144,20 @@ class AdmissionController:
         finally:
             self._drop_done(q)
             self.on_queue(model, len(q.waiters))
-        return Ticket(self, model, key_id, time.perf_counter() - t0)
+        return Ticket(self, model, key_id, time.perf_counter() - t0, priority)
 
     def _drop_done(self, q: _ModelQueue) -> None:
-        while q.waiters and q.waiters[0].done():
-            q.waiters.popleft()
-        if any(f.done() for f in q.waiters):
-            q.waiters = collections.deque(f for f in q.waiters if not f.done())
+        q.waiters.prune()
 
     def _grant(self, model: str) -> None:
-        """Hand free slots to the head of the queue, in order, while there is room."""
+        """Hand free slots to the queue's next waiters (fairshare order) while there is room."""
         q = self._q.get(model)
         if q is None:
             return
-        self._drop_done(q)
-        while q.waiters and self._has_room(model, q):
-            fut = q.waiters.popleft()
-            if fut.done():
-                continue
+        while len(q.waiters) and self._has_room(model, q):
+            fut = q.waiters.pop()
+            if fut is None:
+                break
             q.inflight += 1
             fut.set_result(None)
 

@@ -5,7 +5,9 @@
                                       "prefill_tokens", "running", "waiting", "kv_usage", "prefix_hit_rate",
                                       "generation_tokens"}, ...],
                          "kv": {"indexed_blocks", "pending_blocks", "events"},
-                         "failed_workers": [{"worker_id", "reason", "at", ...}, ...]}  (workers whose engine failed)
+                         "failed_workers": [{"worker_id", "reason", "at", ...}, ...],  (workers whose engine failed)
+                         "sessions", "admission", "lora"}  (orchestrator/features_view.py; each worker also has
+                                                            "adapters" and "sessions_pinned")
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from importlib import resources
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
+from orchestrator.features_view import cluster_features
 from orchestrator.pool import WorkerPool
 from orchestrator.security.guards import AdminGuard
 from router import Router
@@ -23,7 +26,8 @@ from router.events import KvEventIngestor
 __all__ = ["make_cluster_router"]
 
 
-def make_cluster_router(admin: AdminGuard, pool: WorkerPool, router: Router, ingestor: KvEventIngestor | None) -> APIRouter:
+def make_cluster_router(admin: AdminGuard, pool: WorkerPool, router: Router, ingestor: KvEventIngestor | None,
+                        service=None) -> APIRouter:
     api = APIRouter()
 
     def admin_read(request: Request) -> str:  # 401/403 unless the admin may read
@@ -61,7 +65,10 @@ def make_cluster_router(admin: AdminGuard, pool: WorkerPool, router: Router, ing
         # a worker id that registered again after its failure (restarted under the same name) is not failed any more
         failed = [f.model_dump(mode="json") for f in pool.failures
                   if f.worker_id not in pool.workers or pool.workers[f.worker_id].info.started_at < f.at]
+        features = cluster_features(router, service) if service is not None else {"per_worker": {}, "cluster": {}}
+        for w in workers:  # adapters and sessions per worker; sessions, queue depth per class, adapters for the cluster
+            w.update(features["per_worker"].get(w["worker_id"], {"adapters": [], "sessions_pinned": 0}))
         return JSONResponse({"policy": router.policy.name, "discovery_ok": pool.discovery_ok, "workers": workers, "kv": kv,
-                             "failed_workers": failed})
+                             "failed_workers": failed, **features["cluster"]})
 
     return api

@@ -1,4 +1,4 @@
-"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models.
+"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models (base models and LoRA adapters).
 
 Each inference call is authorised (API key, rate limit; orchestrator/security/http.py), then served by the
 InferenceService (orchestrator/service.py): validation, routing, the engine call, relay, failover, migration.
@@ -6,11 +6,11 @@ InferenceService (orchestrator/service.py): validation, routing, the engine call
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
+from orchestrator.features_view import model_cards
+from orchestrator.lora import LoraConfig
 from orchestrator.pool import WorkerPool
 from orchestrator.security import InferenceGuard
 from orchestrator.security.http import authorize_inference, require_json
@@ -19,10 +19,14 @@ from orchestrator.service import InferenceService
 __all__ = ["make_openai_router"]
 
 
-def make_openai_router(service: InferenceService, guard: InferenceGuard, pool: WorkerPool, max_body_bytes: int) -> APIRouter:
+def make_openai_router(service: InferenceService, guard: InferenceGuard, pool: WorkerPool, max_body_bytes: int,
+                       lora: LoraConfig | None = None) -> APIRouter:
     router = APIRouter()
+    lora = lora or LoraConfig()
+    base_of = {a.name: a.base_model for a in lora.adapters}  # a LoRA adapter is served by its base model's workers
 
-    model_context = pool.context_len  # the smallest context among the model's workers
+    def model_context(model: str) -> int | None:  # the smallest context among the (base) model's workers
+        return pool.context_len(base_of.get(model, model))
 
     async def inference(request: Request, kind: str) -> Response:
         require_json(request)  # a cross-site text/plain or form POST (no CORS preflight) never runs inference
@@ -43,12 +47,6 @@ def make_openai_router(service: InferenceService, guard: InferenceGuard, pool: W
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
         guard.authenticate(request.headers, "http")
-        data = []
-        for name in pool.models():
-            info = pool.info_for(name)
-            data.append({"id": name, "object": "model", "created": int(info.started_at if info else time.time()),
-                         "owned_by": "kvyard", "root": name, "parent": None,
-                         "max_model_len": pool.context_len(name)})
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": model_cards(pool, lora)})  # base models, then LoRA adapters
 
     return router

@@ -5,7 +5,8 @@
 When the key has a tokens-per-minute limit the body is read here (bounded by max_body_bytes: 413
 past it) to estimate the request's tokens, and the returned request replays that body to whoever
 reads it next; otherwise the body is left untouched for the service to stream. The key's public id
-is put on `request.state.api_key_id` (the admission queue's per-key hook reads it).
+is put on `request.state.api_key_id` (the admission queue's per-key hook reads it), and its priority
+class and weight on `request.state.api_key_priority` (admission order, resilience/fairshare.py).
 """
 
 from __future__ import annotations
@@ -75,4 +76,5 @@ async def authorize_inference(guard: InferenceGuard, request: Request, kind: str
         request = replay(request, raw)
     grant = await guard.admit(principal, tokens)
     request.state.api_key_id = principal.key_id
+    request.state.api_key_priority = (principal.priority, principal.weight)
     return request, grant

@@ -22,6 +22,8 @@ Key file (YAML or JSON; written 0600, atomically)::
         revoked_at: null          # a time once revoked; revoked keys stay listed
         rpm: 600                  # requests per minute, null = unlimited
         tpm: 200000               # tokens per minute, null = unlimited
+        priority: normal          # admission class: high | normal | low (resilience/fairshare.py)
+        weight: 1.0               # share of admission slots against other keys of its class
 
 `KeyStore` re-reads the file when it changes (checked at most once a second, so `kvyard keys revoke`
 and a rotated Kubernetes Secret take effect within a second or two, without a restart). A file that
@@ -40,6 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
@@ -67,6 +70,8 @@ class KeyRecord(BaseModel):
     revoked_at: float | None = None
     rpm: int | None = Field(None, gt=0)  # requests per minute
     tpm: int | None = Field(None, gt=0)  # tokens per minute (prompt estimate + max_tokens, see ratelimit.py)
+    priority: Literal["high", "normal", "low"] = "normal"  # admission class, served high first (resilience/fairshare.py)
+    weight: float = Field(1.0, gt=0, le=1000)  # share of admission slots against the other keys of its class
 
     model_config = {"extra": "forbid"}
 
@@ -96,6 +101,8 @@ class Principal:
     name: str
     rpm: int | None = None
     tpm: int | None = None
+    priority: str = "normal"
+    weight: float = 1.0
 
 
 def hash_key(key: str) -> str:
@@ -112,14 +119,16 @@ def key_id_of(key: str) -> str | None:
     return kid
 
 
-def generate_key(name: str = "", rpm: int | None = None, tpm: int | None = None, existing: set[str] = frozenset()) -> tuple[str, KeyRecord]:
+def generate_key(name: str = "", rpm: int | None = None, tpm: int | None = None, existing: set[str] = frozenset(),
+                 priority: str = "normal", weight: float = 1.0) -> tuple[str, KeyRecord]:
     """A new random key and its record (the key itself is returned once and stored nowhere)."""
     while True:
         kid = secrets.token_hex(_ID_HEX // 2)
         if kid not in existing:
             break
     key = f"{KEY_PREFIX}{kid}_{secrets.token_urlsafe(32)}"
-    return key, KeyRecord(id=kid, name=name, hash=hash_key(key), created_at=round(time.time(), 3), rpm=rpm, tpm=tpm)
+    return key, KeyRecord(id=kid, name=name, hash=hash_key(key), created_at=round(time.time(), 3), rpm=rpm, tpm=tpm,
+                          priority=priority, weight=weight)
 
 
 def load_key_file(path: str | Path) -> KeyFile:
@@ -226,4 +235,4 @@ class KeyStore:
             return None, "invalid"
         if rec.revoked_at is not None:
             return None, "revoked"
-        return Principal(rec.id, rec.name, rec.rpm, rec.tpm), ""
+        return Principal(rec.id, rec.name, rec.rpm, rec.tpm, rec.priority, rec.weight), ""

@@ -80,7 +80,7 @@ class HostOriginGuard:
         host, port = split_host(host_hdr or "")
         if self.allowed_hosts is not None and host not in self.allowed_hosts:
             return PermissionDeniedError(f"the Host header {host_hdr!r} is not one this server answers to for this route "
-                                         "(frontend.allowed_hosts)", code="host_not_allowed")
+                                         "(frontend.security.allowed_hosts)", code="host_not_allowed")
         if origin is None:
             return None
         o = origin.strip().rstrip("/").lower()
@@ -92,5 +92,5 @@ class HostOriginGuard:
             o_host, o_port = split_host(u.netloc)
             if o_host == host and (o_port or default) == (port or default):
                 return None  # same origin (e.g. the dashboard's own scripts)
-        return PermissionDeniedError(f"requests from the web origin {origin[:200]!r} are not allowed (frontend.allowed_origins)",
+        return PermissionDeniedError(f"requests from the web origin {origin[:200]!r} are not allowed (frontend.security.allowed_origins)",
                                      code="origin_not_allowed")

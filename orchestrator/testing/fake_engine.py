@@ -21,7 +21,7 @@ from starlette.routing import Route
 from workers.sim.backend import SIM_TOKENIZER_DIR
 from workers.types import WorkerInfo
 
-__all__ = ["FakeEngine", "ThreadedEngine", "free_port", "winfo"]
+__all__ = ["FakeEngine", "ThreadedEngine", "free_port", "free_port_pair", "winfo"]
 
 
 def winfo(wid: str, url: str, max_model_len: int = 64) -> WorkerInfo:
@@ -34,6 +34,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 both free now (an engine's KV-event socket and its replay socket; a local cluster's
+    first two engines)."""
+    for _ in range(50):
+        p = free_port()
+        try:
+            with socket.socket() as b:
+                b.bind(("127.0.0.1", p + 1))
+                return p
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports")
 
 
 class ThreadedEngine:

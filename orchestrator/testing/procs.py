@@ -21,15 +21,11 @@ from pathlib import Path
 
 import httpx
 
+from orchestrator.testing.fake_engine import free_port, free_port_pair
+
 __all__ = ["free_port", "RedisServer", "Child", "KvyardCluster", "rss_and_fds", "cpu_seconds", "descendants"]
 
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_and_fds(pid: int) -> tuple[float, int] | None:
@@ -195,7 +191,7 @@ class KvyardCluster:
         port = free_port()
         tail = ["--speedup", str(speedup)] if backend == "sim" else []
         c = Child(name, ["worker", "--backend", backend, "--model", "h200-llama3.1-8b", "--served-model-name", self.model,
-                         "--port", str(port), "--kv-events-port", str(free_port()), "--redis-url", self.redis_url,
+                         "--port", str(port), "--kv-events-port", str(free_port_pair()), "--redis-url", self.redis_url,
                          "--discovery-prefix", self.prefix, "--lease-ttl", str(self.lease_ttl_s),
                          "--drain-timeout", str(self.drain_timeout_s), "--max-model-len", str(self.max_model_len),
                          *(worker_args or []), "--", *tail, *(engine_args or [])], self.log_dir)

@@ -110,7 +110,8 @@ def _drive_load(url: str, model: str) -> None:
 
     def one(i: int) -> int:
         body = {"model": model, "prompt": f"{doc} Question {i}: what does clause {i % 7} say?", "max_tokens": 24, "stream": True}
-        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+        session = {"x-session-id": f"conv-{i % 3}"}  # three conversations: the dashboard shows them pinned
+        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json=body, headers=session) as r:
             text = "".join(r.iter_text())  # streamed, so the frontend measures TTFT and ITL
             return r.status_code if "[DONE]" in text else -1
 
@@ -209,6 +210,11 @@ def test_dashboard_shows_telemetry_and_edits_targets(stack, tmp_path):
 
             # the numbers shown are telemetry's (as /api/pools computes them right now)
             assert page.locator("#worker-count").inner_text() == str(len(workers)) == "2"
+            # sessions pinned (three conversations), and the admission queue per priority class
+            cluster = client.get(url + "/api/cluster", headers=_admin()).json()
+            assert page.locator("#sessions-pinned").inner_text() == str(cluster["sessions"]["pinned"]) == "3"
+            assert sum(int(c.inner_text()) for c in page.locator("#rows tr td:nth-child(10)").all()) == 3
+            assert page.locator("#queues tr").first.locator("td").first.inner_text() == model
             assert card.locator('[data-stat="replicas"]').inner_text() == "2"
             assert card.locator('[data-stat="requests"]').inner_text() == str(N_REQUESTS)
             now = client.get(url + "/api/pools", headers=_admin()).json()

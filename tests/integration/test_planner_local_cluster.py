@@ -3,7 +3,6 @@ cluster's own worker is adopted, new ones are built like it, scale-down drains t
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from pathlib import Path
 
@@ -12,25 +11,11 @@ import pytest
 from orchestrator.config import ClusterConfig
 from orchestrator.launcher import LocalCluster
 from orchestrator.local_scaling import local_connector
+from orchestrator.testing import free_port_pair
 from workers.discovery import InMemoryDiscovery
 from workers.telemetry.schema import PoolKey
 
 pytestmark = pytest.mark.slow
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 both free (the cluster numbers its engines from its base port)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            p = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", p + 1))
-                    return p
-            except OSError:
-                continue
-    raise RuntimeError("no two adjacent free ports")
 
 
 async def test_adopt_scale_up_and_down():

@@ -2,7 +2,8 @@
 
 The only place the sim reads the environment: PYTHONHASHSEED, which vLLM uses as the NONE_HASH
 seed for block hashes when set (engines.md §1), so the sim's published hashes match vLLM's; and
-VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, where a vLLM-flavor prefill serves its KV (engines.md §3).
+VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, where a vLLM-flavor prefill serves its KV (engines.md §3); and
+VLLM_ALLOW_RUNTIME_LORA_UPDATING, which adds the LoRA load/unload routes (workers/sim/adapters.py).
 """
 
 from __future__ import annotations

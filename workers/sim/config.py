@@ -12,6 +12,10 @@ Sim flags:
   --prefill-pricing profile (a chunk costs T(cached + new) - T(cached)) | new-tokens (T(new): Dynamo's mocker)
   --seed 0 (output text)   --hash-seed (NONE_HASH seed; the CLI passes PYTHONHASHSEED like vLLM does)
   --uvicorn-loop auto|asyncio|uvloop   --uvicorn-http auto|h11|httptools (auto: the fastest installed)
+LoRA (workers/sim/adapters.py): --enable-lora, --lora-modules name=path ..., --max-loras (accepted; the sim batches
+  any number); runtime loading with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, read from the environment like vLLM
+Multimodal chat parts (workers/multimodal.py): --mm-image-tokens 256 --mm-image-token-id 100255
+  --mm-audio-tokens 128 --mm-audio-token-id 100254 (placeholder tokens one image / audio clip stands for)
 Unknown vLLM flags are accepted and ignored, so a vLLM command line runs unchanged.
 
 The other engines' own spellings are accepted too, so the command line kvyard builds for SGLang or
@@ -46,12 +50,15 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict
 
+from workers.multimodal import MmTokenSpec
 from workers.sim.disagg import FLAVORS, KvTransferConfig
 from workers.sim.hashing import DEFAULT_SEED
 from workers.sim.profiles import BUNDLED, DEFAULT_PROFILE
 from workers.sim.timing import TimingModel
 
 __all__ = ["KvEventsConfig", "SimConfig", "build_parser", "parse_args"]
+
+_MM = MmTokenSpec()  # the placeholder defaults, shared with the frontend's MultimodalConfig
 
 
 class KvEventsConfig(BaseModel):
@@ -109,6 +116,10 @@ class SimConfig:
     kv_transfer_latency_ms: float = 1.0
     kv_bytes_per_token: int | None = None
     kv_transfer_timeout: float = 300.0
+    enable_lora: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    mm: MmTokenSpec = field(default_factory=MmTokenSpec)
 
     @property
     def disagg_enabled(self) -> bool:
@@ -157,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bytes-per-token", type=int, default=None)
     p.add_argument("--kv-transfer-timeout", type=float, default=300.0)
     p.add_argument("--kv-side-channel-port", type=int, default=None)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
+    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument("--mm-image-tokens", type=int, default=_MM.tokens_per_image)
+    p.add_argument("--mm-image-token-id", type=int, default=_MM.image_token_id)
+    p.add_argument("--mm-audio-tokens", type=int, default=_MM.tokens_per_audio)
+    p.add_argument("--mm-audio-token-id", type=int, default=_MM.audio_token_id)
     return p
 
 
@@ -174,6 +192,14 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None, 
         parser.error("--kv-transfer-bandwidth-gbps and --kv-transfer-timeout must be > 0, --kv-transfer-latency-ms >= 0")
     if ns.kv_bytes_per_token is not None and ns.kv_bytes_per_token <= 0:
         parser.error("--kv-bytes-per-token must be > 0")
+    if min(ns.mm_image_tokens, ns.mm_audio_tokens, ns.mm_image_token_id, ns.mm_audio_token_id) < 0:
+        parser.error("--mm-* values must be >= 0")
+    modules = {}
+    for item in ns.lora_modules:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"--lora-modules takes name=path, got {item!r}")
+        modules[name] = path
     try:
         kv_transfer = KvTransferConfig.model_validate_json(ns.kv_transfer_config) if ns.kv_transfer_config else None
     except ValueError as exc:
@@ -239,4 +265,8 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None, 
         kv_transfer_latency_ms=ns.kv_transfer_latency_ms,
         kv_bytes_per_token=ns.kv_bytes_per_token,
         kv_transfer_timeout=ns.kv_transfer_timeout,
+        enable_lora=ns.enable_lora,
+        lora_modules=modules,
+        runtime_lora_updating=env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
+        mm=MmTokenSpec(ns.mm_image_tokens, ns.mm_image_token_id, ns.mm_audio_tokens, ns.mm_audio_token_id),
     )

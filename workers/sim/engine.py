@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from workers.sim.hashing import RequestHashes
 from workers.sim.kv_manager import KvBlockManager
 from workers.sim.metrics import SimMetrics
 from workers.kv_publisher import KvEventPublisher
@@ -136,9 +137,13 @@ class SimEngine:
         arrival: float | None = None,
         hold_blocks: bool = False,
         remote: Any = None,
+        lora: tuple[str, str] | None = None,
+        mm_items: Sequence[tuple[str, int, int]] = (),
     ) -> RequestStream:
         """Queue a request; `arrival` (engine clock) defaults to now. Never blocks. `hold_blocks`: a
-        prefill whose blocks a remote decode reads; `remote`: a decode whose prompt KV is pulled."""
+        prefill whose blocks a remote decode reads; `remote`: a decode whose prompt KV is pulled; `lora`:
+        the adapter's (name, path); `mm_items`: the prompt's (identifier, offset, length) multimodal items."""
+        keyed = {"block_hashes": RequestHashes(lora, mm_items)} if lora or mm_items else {}
         req = SimRequest(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -148,6 +153,7 @@ class SimEngine:
             min_tokens=min_tokens,
             hold_blocks=hold_blocks,
             remote=remote,
+            **keyed,
         )
         idle = not self.scheduler.has_work
         self.scheduler.add_request(req)

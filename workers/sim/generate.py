@@ -15,6 +15,11 @@ choices 0..n-1, one choice per streamed chunk, usage over all of them; `best_of`
 Arrival is taken when the handler starts: the profile's TTFT is what a client measured against vLLM
 (HTTP, tokenization and hashing included), so the sim's own request processing is not added on top.
 
+LoRA: a request whose `model` is a loaded adapter (SGLang flavor: `lora_path` names it) runs on it
+(workers/sim/adapters.py). Chat image/audio parts become placeholder runs (workers/multimodal.py: the frontend
+places them the same way), charged as prompt tokens and keyed in the cache by each item's identifier; any
+other part type is a 400.
+
 P/D hand-offs (workers/sim/disagg.py) hook in here: the request's role comes from its body
 (`DisaggRuntime.classify`); a prefill's non-streaming response carries the flavor's hand-off fields;
 a decode whose KV load failed answers 500 (streaming: an error event, then [DONE]) like vLLM's
@@ -34,6 +39,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from workers.multimodal import ContentError, flatten_messages, tokenize_mm_chat
 from workers.sim.disagg import Handoff
 from workers.sim.engine import RequestStream
 from workers.sim.protocol import (
@@ -216,7 +222,8 @@ async def _wait_any(streams: list[RequestStream]) -> None:
 
 
 async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: Any, prompt_ids: list[int], max_tokens: int,
-                    echo_text: str | None, arrival: float, handoff: Handoff | None = None) -> Any:
+                    echo_text: str | None, arrival: float, handoff: Handoff | None = None, lora: tuple[str, str] | None = None,
+                    mm_items: tuple = ()) -> Any:
     """Run the request's `n` sequences (one engine request each, sharing the prompt's KV through the
     prefix cache like vLLM's parallel sampling) and answer in one body or as SSE chunks."""
     engine = st.engine
@@ -236,6 +243,7 @@ async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: 
             k, prompt_ids, max_tokens, st.text.source(prompt_ids, 0 if greedy else i), min_tokens=body.min_tokens,
             stop_token_ids=body.stop_token_ids or (), arrival=arrival,
             hold_blocks=h is not None and h.role == "prefill", remote=h.remote if h is not None and h.role == "decode" else None,
+            lora=lora, mm_items=mm_items,
         )
         for i, k in enumerate(keys)
     ]
@@ -370,7 +378,7 @@ async def completions(request: Request) -> Any:
     body = None
     try:
         body = parse_body(await request.body(), CompletionRequest)
-        st.check_model(body.model)
+        lora = _lora_of(st, body)
         handoff = _handoff(st, body)
         validate_sampling(body)
         _check_max_tokens(body.max_tokens, "max_tokens", st.cfg.max_model_len)
@@ -390,21 +398,38 @@ async def completions(request: Request) -> Any:
         max_tokens = _effective_max_tokens(st, body.max_tokens if body.max_tokens is not None else 16, len(ids), body.min_tokens)
         echo = (prompt if isinstance(prompt, str) else st.tokenizer.decode(ids)) if body.echo else None
         rid = "cmpl-" + _base_id(request, body.request_id)
-        return await _generate(st, request, False, rid, body, ids, max_tokens, echo, arrival, handoff)
+        return await _generate(st, request, False, rid, body, ids, max_tokens, echo, arrival, handoff, lora)
     except ApiError as err:
         st.server_load -= 1
         _reject_cleanup(st, body)
         return error_response(err, st.cfg.flavor)
 
 
-def _messages_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        out.append({**m, "content": content if content is not None else ""})
-    return out
+def _lora_of(st: SimState, body: Any) -> tuple[str, str] | None:
+    """The adapter a request runs on: its `model` (vLLM), or `lora_path` naming a loaded adapter (SGLang); 404 else."""
+    lora = st.check_model(body.model)
+    named = (body.model_extra or {}).get("lora_path") if st.cfg.flavor == "sglang" else None
+    if lora is None and isinstance(named, str) and named:
+        lora = st.loras.get(named)
+        if lora is None:
+            raise ApiError(f"The LoRA adapter `{named}` is not loaded.", "NotFoundError", 404, "lora_path")
+    return lora
+
+
+def _chat_prompt(st: SimState, body: Any) -> tuple[list[int], tuple]:
+    """Chat messages -> (prompt token ids, multimodal items), as workers/multimodal.py lays them out."""
+    try:
+        messages, items = flatten_messages(body.messages)
+    except ContentError as exc:
+        raise bad_request(str(exc), exc.param) from exc
+    try:
+        text = st.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+    except Exception as exc:  # template errors are the client's fault
+        raise bad_request(f"Failed to apply the chat template: {exc}") from exc
+    if not items:
+        return st.tokenizer.encode(text, add_special_tokens=False), ()
+    ids, mm = tokenize_mm_chat(text, items, lambda piece: st.tokenizer.encode(piece, add_special_tokens=False), st.cfg.mm)
+    return ids, tuple(mm)
 
 
 async def chat_completions(request: Request) -> Any:
@@ -414,7 +439,7 @@ async def chat_completions(request: Request) -> Any:
     body = None
     try:
         body = parse_body(await request.body(), ChatCompletionRequest)
-        st.check_model(body.model)
+        lora = _lora_of(st, body)
         handoff = _handoff(st, body)
         validate_sampling(body)
         requested, param = body.requested_max_tokens()
@@ -424,18 +449,12 @@ async def chat_completions(request: Request) -> Any:
             _check_prompt_len(st, len(ids), from_text=False)
             max_tokens = _effective_max_tokens(st, requested, len(ids), body.min_tokens)
             rid = "chatcmpl-" + _base_id(request, body.request_id)
-            return await _generate(st, request, True, rid, body, ids, max_tokens, None, arrival, handoff)
-        try:
-            text = st.tokenizer.apply_chat_template(
-                _messages_text(body.messages), add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {})
-            )
-        except Exception as exc:  # template errors are the client's fault
-            raise bad_request(f"Failed to apply the chat template: {exc}") from exc
-        ids = st.tokenizer.encode(text, add_special_tokens=False)
+            return await _generate(st, request, True, rid, body, ids, max_tokens, None, arrival, handoff, lora)
+        ids, mm_items = _chat_prompt(st, body)
         _check_prompt_len(st, len(ids), from_text=True)
         max_tokens = _effective_max_tokens(st, requested, len(ids), body.min_tokens)
         rid = "chatcmpl-" + _base_id(request, body.request_id)
-        return await _generate(st, request, True, rid, body, ids, max_tokens, None, arrival, handoff)
+        return await _generate(st, request, True, rid, body, ids, max_tokens, None, arrival, handoff, lora, mm_items)
     except ApiError as err:
         st.server_load -= 1
         _reject_cleanup(st, body)

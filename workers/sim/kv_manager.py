@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from workers.sim.free_queue import FreeBlockQueue
-from workers.sim.hashing import to_external
+from workers.sim.hashing import RequestHashes, to_external
 
 __all__ = ["KvBlockManager"]
 
@@ -213,6 +213,7 @@ class KvBlockManager:
         self._num_cached[req_id] = num_full
         if self.enable_events:
             bs = self.block_size
+            keyed = block_hashes if type(block_hashes) is RequestHashes else None  # a LoRA or multimodal request
             self._events.append(
                 BlockStored(
                     block_hashes=new_ext,
@@ -220,5 +221,7 @@ class KvBlockManager:
                     token_ids=list(all_token_ids[start * bs : num_full * bs]),
                     block_size=bs,
                     medium=MEDIUM,
+                    lora_name=keyed.lora_name if keyed is not None else None,
+                    mm_keys=keyed.mm_keys(start, num_full, bs) if keyed is not None else None,
                 )
             )

@@ -1,7 +1,8 @@
 """The sim's HTTP server: vLLM 0.32's OpenAI-compatible routes on Starlette.
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health,
-/ping, /metrics, /load, /version, /kv_event_sources. Generation handlers are in `workers.sim.generate`.
+/ping, /metrics, /load, /version, /kv_event_sources; with runtime LoRA updating, the adapter routes of
+workers/sim/adapters.py. Generation handlers are in `workers.sim.generate`.
 `build_app(cfg)` wires tokenizer -> engine (scheduler, KV manager, timing, metrics, publisher); the
 engine loop and the ZMQ sockets start in the app's lifespan.
 
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from workers.sim.adapters import SimLoras, load_lora_adapter, unload_lora_adapter
 from workers.sim.config import SimConfig
 from workers.sim.disagg import DisaggRuntime, KvTransferModel, default_kv_bytes_per_token
 from workers.sim.engine import SimEngine
@@ -59,12 +61,18 @@ class SimState:
     sglang_metrics: SglangMetrics | None = None
     trtllm_events: TrtllmEventBuffer | None = None
     trtllm_prometheus: TrtllmPrometheus | None = None
+    loras: SimLoras = field(default_factory=lambda: SimLoras(False))
 
-    def check_model(self, model: str | None) -> None:
-        # trtllm-serve answers whatever model a request names (it serves one); vLLM and SGLang check it
+    def check_model(self, model: str | None) -> tuple[str, str] | None:
+        """404 unless `model` is a served name or a loaded LoRA adapter; returns the adapter's (name, path).
+        trtllm-serve answers whatever model a request names (it serves one); vLLM and SGLang check it."""
         if model is not None and model not in self.cfg.served_model_names and self.cfg.flavor != "trtllm":
+            lora = self.loras.get(model)
+            if lora is not None:
+                return lora
             aliases = ", ".join(self.cfg.served_model_names)
             raise ApiError(f"The model `{model}` does not exist. Valid aliases: {aliases}.", "NotFoundError", 404, "model")
+        return None
 
 
 def build_state(cfg: SimConfig, tokenizer: SimTokenizer | None = None) -> SimState:
@@ -96,7 +104,8 @@ def build_state(cfg: SimConfig, tokenizer: SimTokenizer | None = None) -> SimSta
     metrics = SimMetrics(cfg.model_name, cfg.max_model_len, engine.gauges, cache_info)
     engine.metrics = metrics
     digest = hashlib.sha256(repr((cfg.profile, cfg.block_size, cfg.max_model_len, num_blocks, cfg.speedup)).encode()).hexdigest()
-    st = SimState(cfg, tok, TextSource(tok, cfg.seed), engine, metrics, f"vllm-{VLLM_VERSION}-{digest[:8]}")
+    st = SimState(cfg, tok, TextSource(tok, cfg.seed), engine, metrics, f"vllm-{VLLM_VERSION}-{digest[:8]}",
+                  loras=SimLoras(cfg.enable_lora, cfg.lora_modules))
     if cfg.flavor == "sglang":
         engine_type = {"prefill": "prefill", "decode": "decode"}.get(cfg.disaggregation_mode, "unified")
         st.sglang_metrics = SglangMetrics(metrics, engine.gauges, engine_type, (num_blocks - 1) * cfg.block_size)
@@ -184,6 +193,9 @@ async def models(request: Request) -> Response:
         }
         for name in st.cfg.served_model_names
     ]
+    data += [{"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": path, "parent": st.cfg.model_name,
+              "max_model_len": None, "permission": data[0]["permission"] if data else []}
+             for name, path in st.loras.loaded.items()]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -288,6 +300,10 @@ def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
+    if cfg.runtime_lora_updating and cfg.flavor in ("vllm", "sglang"):
+        prefix = "/v1" if cfg.flavor == "vllm" else ""
+        routes.append(Route(f"{prefix}/load_lora_adapter", load_lora_adapter, methods=["POST"]))
+        routes.append(Route(f"{prefix}/unload_lora_adapter", unload_lora_adapter, methods=["POST"]))
     if cfg.flavor == "trtllm":
         routes.append(Route("/kv_cache_events", kv_cache_events, methods=["POST"]))
         routes.append(Route("/prometheus/metrics", prometheus_metrics, methods=["GET"]))

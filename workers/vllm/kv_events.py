@@ -11,6 +11,9 @@ Wire (vLLM 0.32, `vllm/distributed/kv_events.py`):
 
 `encode_batch` writes exactly what vLLM 0.32 writes (the sim engine uses it); `decode_payload`
 accepts both event encodings, unknown fields and raw-bytes hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
+`extra_keys` (one entry per block, untagged: the bare LoRA name, (mm identifier, offset) pairs, a cache salt)
+are decoded to `BlockStored.mm_keys` (the pairs; the LoRA name is `lora_name`, salts are not routed on) and
+encoded back from `lora_name` + `mm_keys` as vLLM writes them.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ __all__ = [
     "decode_payload",
     "decode_pub_frames",
     "decode_replay_frames",
+    "decode_mm_keys",
+    "event_extra_keys",
     "pack_seq",
     "unpack_seq",
 ]
@@ -95,7 +100,7 @@ def encode_batch(ts: float, events: list[KvEvent], dp_rank: int | None = 0) -> b
                     lora_id=None,
                     medium=ev.medium or "GPU",
                     lora_name=ev.lora_name,
-                    extra_keys=[None] * n,
+                    extra_keys=event_extra_keys(n, ev.lora_name, ev.mm_keys),
                     group_idx=0,
                     kv_cache_spec_kind="full_attention",
                 )
@@ -105,6 +110,37 @@ def encode_batch(ts: float, events: list[KvEvent], dp_rank: int | None = 0) -> b
         else:
             wire.append(_AllBlocksCleared())
     return _encoder.encode(_EventBatch(ts=ts, events=wire, data_parallel_rank=dp_rank))
+
+
+def event_extra_keys(n: int, lora_name: str | None, mm_keys: list | None) -> list[Any]:
+    """vLLM's untagged per-block extra keys of a BlockStored: the LoRA name, then each (identifier, offset) pair."""
+    out: list[Any] = []
+    for i in range(n):
+        keys = ([lora_name] if lora_name else []) + [list(k) for k in ((mm_keys[i] if mm_keys and i < len(mm_keys) else None) or ())]
+        out.append(keys or None)
+    return out
+
+
+def decode_mm_keys(extra: Any, n: int) -> list[tuple[tuple[str, int], ...] | None] | None:
+    """The (identifier, offset) pairs of each block's extra keys; None when no block has one. Other keys (the LoRA
+    name, a cache salt, prompt-embeds digests) are skipped; a malformed list is refused."""
+    if extra is None:
+        return None
+    if not isinstance(extra, list) or len(extra) != n:
+        raise KvEventDecodeError(f"extra_keys must be a list of {n} entries (one per block)")
+    out: list[tuple[tuple[str, int], ...] | None] = []
+    found = False
+    for keys in extra:
+        if keys is None:
+            out.append(None)
+            continue
+        if not isinstance(keys, (list, tuple)):
+            raise KvEventDecodeError("each extra_keys entry must be a list or nil")
+        pairs = tuple((k[0], k[1]) for k in keys if isinstance(k, (list, tuple)) and len(k) == 2 and isinstance(k[0], str)
+                      and isinstance(k[1], int) and not isinstance(k[1], bool))
+        found = found or bool(pairs)
+        out.append(pairs or None)
+    return out if found else None
 
 
 def _hash(value: Any) -> int:
@@ -158,13 +194,15 @@ def _decode_event(raw: Any) -> KvEvent | None:
         parent = f.get("parent_block_hash")
         lora = f.get("lora_name")
         medium = f.get("medium")
+        hashes = _hash_list(f.get("block_hashes"))
         return BlockStored(
-            block_hashes=_hash_list(f.get("block_hashes")),
+            block_hashes=hashes,
             parent_block_hash=None if parent is None else _hash(parent),
             token_ids=_int_list(f.get("token_ids"), "token_ids"),
             block_size=bs,
             lora_name=lora if isinstance(lora, str) else None,
             medium=medium if isinstance(medium, str) else None,
+            mm_keys=decode_mm_keys(f.get("extra_keys"), len(hashes)),
         )
     if tag == "BlockRemoved":
         medium = f.get("medium")
@@ -187,6 +225,7 @@ class _RStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     token_ids: list[int] = []
     lora_name: str | None = None
     medium: str | None = None
+    extra_keys: list[Any] | None = None
 
 
 class _RRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", gc=False):
@@ -216,8 +255,9 @@ def _from_typed(batch: _RBatch, seq: int) -> KvEventBatch:
     for ev in batch.events:
         if type(ev) is _RStored:
             parent = ev.parent_block_hash
+            mm = decode_mm_keys(ev.extra_keys, len(ev.block_hashes)) if ev.extra_keys and any(ev.extra_keys) else None
             out.append(BlockStored(_u64(ev.block_hashes), None if parent is None else parent & _U64, ev.token_ids,
-                                   ev.block_size, ev.lora_name, ev.medium))
+                                   ev.block_size, ev.lora_name, ev.medium, mm))
         elif type(ev) is _RRemoved:
             out.append(BlockRemoved(_u64(ev.block_hashes), ev.medium))
         else:

@@ -254,7 +254,7 @@ def _slow_saves(monkeypatch, delay_s: float = 0.2):
 
 
 def _cmd(command: str, path, **kw) -> argparse.Namespace:
-    base = {"keys_command": command, "file": path, "name": "", "rpm": None, "tpm": None}
+    base = {"keys_command": command, "file": path, "name": "", "rpm": None, "tpm": None, "priority": "normal", "weight": 1.0}
     return argparse.Namespace(**{**base, **kw})
 
 
