@@ -19,8 +19,9 @@ Each top-level field of a /v1/completions or /v1/chat/completions body is one of
 Left out of the allowlist on purpose (an operator may add them with `allow`): `chat_template`
 (a client-supplied Jinja template the engine would run), `prompt_embeds` and `mm_payload`
 (client-supplied tensors the engine deserializes), `vllm_xargs`, `mm_processor_kwargs`,
-`media_io_kwargs` (engine plug-in arguments), `priority` (scheduling priority is the operator's),
-`lora_path` / `lora_request` (which adapter files an engine loads). gRPC has its own, narrower
+`media_io_kwargs` (engine plug-in arguments), `priority` (the frontend sets it from the API key's class:
+orchestrator/resilience/fairshare.py), `lora_path` / `lora_request` (which adapter files an engine loads: the
+operator's `lora` list decides). gRPC has its own, narrower
 allowlist: the sampling parameters of orchestrator/grpc/llm.py.
 """
 
