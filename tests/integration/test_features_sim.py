@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from orchestrator.testing import free_port
+from tests.integration.up_admin import ADMIN_HEADERS, admin_env
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +42,10 @@ async def stack(tmp_path):
     port, base = free_port(), free_port() + 300
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--workers", "2", "--port", str(port), "--grpc-port", "0",
                              "--base-port", str(base), "--speedup", "5", "--config", str(tmp_path / "up.yaml")],
-                            stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp_path)
+                            stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp_path, env=admin_env())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=ADMIN_HEADERS) as client:
         while True:
             try:
                 body = (await client.get(url + "/api/cluster")).json()

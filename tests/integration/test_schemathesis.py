@@ -42,8 +42,13 @@ BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatComp
 def _with_request_bodies(spec: dict) -> dict:
     _, defs = models_json_schema([(m, "validation") for m in BODIES.values()], ref_template="#/components/schemas/{model}")
     spec.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    schemas = spec["components"]["schemas"]
     for model in BODIES.values():  # a top-level field off the allowlist is refused (orchestrator/request_fields.py)
-        spec["components"]["schemas"][model.__name__]["additionalProperties"] = False
+        schemas[model.__name__]["additionalProperties"] = False
+    # a content part names its type (text here; image/audio parts: tests/integration/test_features_sim.py)
+    text_part = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    schemas["ChatMessage"]["properties"]["content"]["anyOf"][1]["items"] = text_part
     for path, model in BODIES.items():
         spec["paths"][path]["post"]["requestBody"] = {
             "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
@@ -122,8 +127,8 @@ def test_openapi_operation(api_schema, path, method, mode, auth):
 
     run()
     # the generated requests reached the code behind the route, not only its front door
-    if path in BODIES:
-        assert statuses[400] > 0, statuses
+    if path in BODIES:  # a 400 from validation or a 404 for an unknown model: both answered behind the route
+        assert statuses[400] + statuses[404] > 0, statuses
         if mode == GenerationMode.POSITIVE:
             assert statuses[200] > 0, statuses
     elif path.startswith("/admin"):
