@@ -35,8 +35,7 @@ from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_st
 from workers.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
 from orchestrator.disagg import DisaggCoordinator
 from orchestrator.service import InferenceService
-from router import Router, build_policy
-from router.load import LoadTracker
+from orchestrator.routing import build_router
 from router.events import KvEventIngestor
 from workers.discovery import Discovery, InMemoryDiscovery, RedisDiscovery
 
@@ -77,9 +76,7 @@ def make_guards(cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> 
 def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastAPI:
     discovery = discovery or make_discovery(cfg)
     metrics = FrontendMetrics()
-    params = ({"overlap_weight": cfg.kv_overlap_weight, "reuse_weight": cfg.kv_reuse_weight, "request_weight": cfg.kv_request_weight,
-               "pending_ttl_s": cfg.kv_pending_ttl_s, "temperature": cfg.router_temperature} if cfg.policy == "kv" else {})
-    router = Router(build_policy(cfg.policy, **params), LoadTracker(drain=cfg.kv_prefill_drain))
+    router = build_router(cfg)  # orchestrator/routing.py: also what `kvyard replay` routes with
     ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor)
     service = InferenceService(cfg, pool, router, metrics)

@@ -4,6 +4,7 @@
     kvyard worker    one engine, registered in Redis under a lease, drained on SIGTERM
     kvyard frontend  the OpenAI endpoint, discovering workers from Redis
     kvyard keys      create | list | revoke | set-limits inference API keys
+    kvyard replay    a trace through the router, sim engines and planner on a virtual clock (docs/replay.md)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import ValidationError
 from orchestrator.config import ClusterConfig, FrontendConfig, load_yaml
 from orchestrator.keys_cmd import add_keys_parser, run_keys_command
 from orchestrator.planner_cmd import add_planner_parser, run_planner_command
+from orchestrator.replay.cli import add_replay_parser, run_replay_command
 from router import policy_names
 from workers.types import WorkerRole
 
@@ -132,6 +134,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _frontend_args(fe)
     add_planner_parser(sub)
     add_keys_parser(sub)
+    add_replay_parser(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark (routing: benchmarks/routing.py, planner: benchmarks/planner_sim.py, "
                                          "disagg: benchmarks/disagg.py; their flags follow)")
@@ -335,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(ns.log_level)
     if ns.command == "keys":  # a file edit: no event loop
         return run_keys_command(ns)
+    if ns.command == "replay":  # a virtual clock: no event loop
+        return run_replay_command(ns)
     if ns.command == "bench":  # benchmarks/ lives beside the packages, not inside them
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if ns.name == "planner":

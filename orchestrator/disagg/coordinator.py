@@ -53,7 +53,8 @@ from orchestrator.disagg.decision import DisaggDecision, decide
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
 from orchestrator.errors import ServiceUnavailableError
 from orchestrator.metrics import FrontendMetrics
-from router import Endpoint, NoEndpointsError, RouteRequest, Router, RoutingDecision, build_policy
+from orchestrator.routing import build_phase_routers
+from router import Endpoint, NoEndpointsError, RouteRequest, Router, RoutingDecision
 from workers.sglang import handoff as sglang_handoff
 from workers.trtllm import handoff as trtllm_handoff
 from workers.vllm import handoff as vllm_handoff
@@ -148,10 +149,7 @@ class DisaggCoordinator:
         self.client = client
         # Both share the service router's prefix index (fed by the KV-event ingestor); decode also shares
         # its load book, which the service closes (first token, completion) on every path.
-        index = router.kv_index
-        self.decode_router = Router(build_policy("kv", overlap_weight=cfg.decode_overlap_weight, index=index), load=router.loads)
-        self.prefill_router = Router(build_policy("kv", overlap_weight=prefill_overlap_weight, reuse_weight=prefill_reuse_weight,
-                                                  index=index))
+        self.decode_router, self.prefill_router = build_phase_routers(cfg, router, prefill_overlap_weight, prefill_reuse_weight)
         pool.on_worker_left.append(self.prefill_router.loads.remove_worker)
 
     # ---- the two calls the service makes ---------------------------------------------------------

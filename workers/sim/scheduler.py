@@ -101,6 +101,8 @@ class StepPlan:
     starts_prefill: bool = False  # some request is scheduled from the waiting queue (incl. resumes)
     preempted: list[SimRequest] = field(default_factory=list)
     remote_loads: list[tuple[SimRequest, int]] = field(default_factory=list)  # (decode admitted, local hit tokens)
+    prefills_done: int = 0  # prefill chunks that finish their request's known tokens (a token is sampled after them)
+    prefills_done_tokens: int = 0  # the context lengths of those requests, summed
 
     @property
     def num_tokens(self) -> int:
@@ -300,10 +302,14 @@ class Scheduler:
 
     def _plan(self, plan: StepPlan, req: SimRequest, n: int) -> None:
         p = req.num_computed_tokens
-        if n == 1 and p + 1 == len(req.all_token_ids) and (req.output_token_ids or req.kv_loaded):
-            plan.decode_contexts.append(p + 1)
+        total = len(req.all_token_ids)
+        if n == 1 and p + 1 == total and (req.output_token_ids or req.kv_loaded):
+            plan.decode_contexts.append(total)
         else:
             plan.prefill_chunks.append((p, n))
+            if p + n == total:
+                plan.prefills_done += 1
+                plan.prefills_done_tokens += total
         plan.scheduled.append((req, n))
         req.num_computed_tokens = p + n
 

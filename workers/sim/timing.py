@@ -141,3 +141,7 @@ class TimingModel:
     def step_ms(self, prefill_chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int], starts_request: bool = True) -> float:
         """Wall-clock milliseconds of one step after `speedup`."""
         return (self.prefill_ms(prefill_chunks, starts_request) + self.decode_ms(decode_contexts)) / self.speedup
+
+    def plan_ms(self, plan, kv=None) -> float:
+        """step_ms of a scheduler's StepPlan (the engine core's call; `kv` is not needed by this model)."""
+        return (self.prefill_ms(plan.prefill_chunks, plan.starts_prefill) + self.decode_ms(plan.decode_contexts)) / self.speedup
