@@ -7,8 +7,8 @@
     kv                 kv cost (1.0)        max-score, or softmax(T > 0)   KvIndex
 
 kv parameters: overlap_weight (1.0), reuse_weight (1.0), request_weight (0.0), temperature (0.0), index (a KvIndex to share, e.g. with the
-event ingestor; a new one by default, with `pending_ttl_s` when given), seed (picker RNG, for tests). Factories are the single
-table of names.
+event ingestor; a new one by default, with `pending_ttl_s` when given), seed (picker RNG, for tests). Every policy takes `seed` (its picker's random tie-breaks or
+order; round-robin has none), so a replay can be repeated exactly. Factories are the single table of names.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def _kv(overlap_weight: float = 1.0, temperature: float = 0.0, index: KvIndex | 
 
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {
-    "round-robin": lambda: Policy("round-robin", RoundRobinPicker()),
-    "random": lambda: Policy("random", RandomPicker()),
-    "least-loaded": lambda: Policy("least-loaded", MaxScorePicker(), [(LoadScorer(), 1.0)]),
+    "round-robin": lambda seed=None: Policy("round-robin", RoundRobinPicker()),
+    "random": lambda seed=None: Policy("random", RandomPicker(seed)),
+    "least-loaded": lambda seed=None: Policy("least-loaded", MaxScorePicker(seed), [(LoadScorer(), 1.0)]),
     "kv": _kv,
 }
 

@@ -30,6 +30,7 @@ def add_replay_parser(sub) -> argparse.ArgumentParser:
     rp.add_argument("--requests", type=int, default=None, help="trace: the first N rows (after --skip)")
     rp.add_argument("--skip", type=int, default=0, help="trace: rows to skip")
     rp.add_argument("--time-scale", type=float, default=1.0, help="trace times are divided by this (2: twice the request rate)")
+    rp.add_argument("--osl-scale", type=float, default=1.0, help="trace: output lengths are multiplied by this (rounded up)")
     rp.add_argument("--workers", type=int, default=None, help="aggregated workers (default 8)")
     rp.add_argument("--prefill", type=int, default=None, help="P/D: prefill workers (with --decode)")
     rp.add_argument("--decode", type=int, default=None, help="P/D: decode workers (with --prefill)")
@@ -84,7 +85,7 @@ def _workload(ns: argparse.Namespace):
     from orchestrator.replay.workload import load_mooncake, synthetic
 
     if ns.trace is not None:
-        return load_mooncake(ns.trace, ns.time_scale, ns.requests, ns.skip)
+        return load_mooncake(ns.trace, ns.time_scale, ns.requests, ns.skip, osl_scale=ns.osl_scale)
     return synthetic(ns.synthetic, ns.seed)
 
 

@@ -7,6 +7,7 @@
 Order: by time, then by priority (lower first; default 0), then first scheduled first. An event scheduled
 for the current time from inside a handler runs after every event already queued for that time and
 priority. Time never goes backwards: scheduling before `now` raises ValueError. A cancelled event never runs.
+`advance(t)` lets a handler run the next event itself when it is due strictly before everything queued.
 `clock()` (calling the clock) returns `now`, so it can be handed to anything that takes a
 `clock: Callable[[], float]` (the router's load book and prefix index, the telemetry aggregator, the planner).
 """
@@ -52,6 +53,16 @@ class VirtualClock:
 
     def cancel(self, handle: int) -> None:
         self._cancelled.add(handle)
+
+    def advance(self, t: float) -> bool:
+        """Move to t and count it as an event run, iff t comes strictly before every queued event: the caller then
+        runs the event due at t itself (what popping it would do, without the queue). False: nothing changed."""
+        q = self._queue
+        if t < self.now or (q and t >= q[0][0]):
+            return False
+        self.now = t
+        self.events_run += 1
+        return True
 
     def peek(self) -> float | None:
         """Time of the next event, or None."""

@@ -118,11 +118,16 @@ class SimWorker:
         self.kick()
 
     def kick(self) -> None:
-        if self.busy:
-            return
+        """Start the next step if idle and there is work (its end goes on the clock)."""
+        if not self.busy and self._plan_next():
+            clock = self.clock
+            clock.at(clock.now + self.dt, self._step_end)
+
+    def _plan_next(self) -> bool:
+        """Plan the next step into self.plan / self.dt; False when nothing can run now."""
         sched = self.sched
         if not sched.has_work:
-            return
+            return False
         plan, dt = self.core.plan()
         if plan.remote_loads:
             for req, hit in plan.remote_loads:
@@ -136,27 +141,35 @@ class SimWorker:
                 req = sched.waiting[0]  # alone on an empty engine and still not admitted: it never will be
                 sched.abort(req.request_id, "rejected")
                 self.sink.rejected(self, req)
-                self.kick()
-            return
+                return self._plan_next()
+            return False
         self.busy = True
         self.plan = plan
         self.dt = dt
-        clock = self.clock
-        clock.at(clock.now + dt, self._step_end)
+        return True
 
     def _retry(self) -> None:
         self.retry = False
         self.kick()
 
     def _step_end(self) -> None:
-        plan, dt = self.plan, self.dt
-        self.busy = False
-        self.plan = None
-        core = self.core
-        result = core.finish(plan, dt)
-        events = core.kv.take_events() if core.kv.enable_events else ()
-        self.sink.step(self, result, events)
-        self.kick()
+        """End the step, then start the next. A next step that ends strictly before every other queued event is
+        exactly the event the clock would pop next: it runs here, with the clock moved to its end, instead of
+        going through the queue (the same order, without the queue's cost)."""
+        core, sink, clock = self.core, self.sink, self.clock
+        events_on = core.kv.enable_events
+        while True:
+            plan, dt = self.plan, self.dt
+            self.busy = False
+            self.plan = None
+            result = core.finish(plan, dt)
+            sink.step(self, result, core.kv.take_events() if events_on else ())
+            if self.busy or not self._plan_next():
+                return
+            end = clock.now + self.dt
+            if not clock.advance(end):
+                clock.at(end, self._step_end)
+                return
 
 
 def make_scheduler(block_size: int, num_gpu_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,

@@ -82,12 +82,13 @@ class Replay:
         self.timing, default_blocks, self.profile_name = make_timing(eng)
         self.num_gpu_blocks = eng.num_gpu_blocks or default_blocks
         fe = cfg.frontend
-        self.router = build_router(fe, clock)
+        self.router = build_router(fe, clock, seed=cfg.seed)
         self.index = self.router.kv_index
         self.decode_router = self.prefill_router = None
         if cfg.disaggregated:
             reuse = fe.kv_reuse_weight if fe.disagg.prefill_reuse_weight is None else fe.disagg.prefill_reuse_weight
-            self.decode_router, self.prefill_router = build_phase_routers(fe.disagg, self.router, fe.kv_overlap_weight, reuse, clock)
+            self.decode_router, self.prefill_router = build_phase_routers(fe.disagg, self.router, fe.kv_overlap_weight, reuse, clock,
+                                                                           seed=cfg.seed + 1)
         self.transfer = KvTransferModel(cfg.transfer.bandwidth_gbps, cfg.transfer.bytes_per_token
                                         or default_kv_bytes_per_token(self.profile_name), cfg.transfer.latency_ms)
         self.event_lag = cfg.event_lag_ms / 1000.0
@@ -97,6 +98,7 @@ class Replay:
         self.live: dict[str, RequestRecord] = {}
         self.handoffs: dict[str, _Handoff] = {}
         self.gaps = GapHistogram()
+        self._minute, self._hist = -1, {}  # the current minute's gap histogram
         self.fleet_log: list[tuple[float, str, int]] = []  # (time, role, active workers) at every change
         self.telemetry = None  # FrontendTelemetry, set by a planner driver
         self.on_tick: list[Callable[[], None]] = []  # periodic hooks (planner), called every `tick_s`
@@ -276,7 +278,7 @@ class Replay:
         if self.telemetry is not None and "remote" not in kw:
             self.telemetry.on_arrival(self.cfg.model)
         w.submit(SimRequest(request_id=rid, prompt_token_ids=tokens, max_tokens=rec.osl, all_token_ids=list(tokens),
-                            block_hashes=list(hashes) if hashes is not None else [], **kw))
+                            block_hashes=list(hashes) if hashes is not None else [], tag=rec, **kw))
 
     def _route_pd(self, rid: str, rreq: RouteRequest, rec: RequestRecord, tokens: list[int], hashes: list[int] | None) -> None:
         dec, pre = self.routable["decode"], self.routable["prefill"]
@@ -321,24 +323,26 @@ class Replay:
             for req in result.finished:
                 self._prefilled(w, req)
         else:
-            live, router = self.live, self.router
-            hist = self.gaps.bucket_of(int(now // 60.0))
-            key = GapHistogram.key
+            minute = int(now // 60.0)
+            if minute != self._minute:
+                self._minute, self._hist = minute, self.gaps.bucket_of(minute)
+            hist, scale = self._hist, GapHistogram.SCALE * 1000.0
             for req, toks in result.outputs:
-                rec = live.get(req.request_id)
+                rec = req.tag
                 if rec is None:
                     continue
-                if rec.first is None:
+                last = rec.last
+                if last is None:
                     rec.first = now
                     rec.cached = max(req.num_cached_tokens, 0)
-                    router.on_first_token(req.request_id)
+                    self.router.on_first_token(req.request_id)
                 else:
-                    k = key((now - rec.last) * 1000.0)
+                    k = int((now - last) * scale)
                     hist[k] = hist.get(k, 0) + 1
                 rec.last = now
                 rec.tokens += len(toks)
             for req in result.finished:
-                rec = live.pop(req.request_id, None)
+                rec = self.live.pop(req.request_id, None)
                 if rec is not None:
                     self._done(req.request_id, rec, "ok")
         if w.removed_at is not None and w.gone_at is None and w.idle:

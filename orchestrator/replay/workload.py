@@ -126,10 +126,11 @@ def _rows(path: Path) -> Iterable[dict]:
 
 
 def load_mooncake(path: str | Path, time_scale: float = 1.0, limit: int | None = None, skip: int = 0,
-                  trace_block: int = 512) -> Workload:
-    """A Mooncake JSONL trace; arrivals start at 0 and are divided by `time_scale`."""
-    if time_scale <= 0:
-        raise WorkloadError("time_scale must be > 0")
+                  trace_block: int = 512, osl_scale: float = 1.0) -> Workload:
+    """A Mooncake JSONL trace; arrivals start at 0 and are divided by `time_scale`; output lengths are
+    ceil(output_length × osl_scale) (at least 1)."""
+    if time_scale <= 0 or osl_scale <= 0:
+        raise WorkloadError("time_scale and osl_scale must be > 0")
     path = Path(path)
     if not path.is_file():
         raise WorkloadError(f"trace {path} not found")
@@ -154,12 +155,14 @@ def load_mooncake(path: str | Path, time_scale: float = 1.0, limit: int | None =
             raise WorkloadError(f"{path}: row {i + 1}: input_length >= 1, output_length >= 0 and hash ids >= 0 required")
         if t0 is None:
             t0 = t
+        osl = math.ceil(osl * osl_scale) if osl_scale != 1.0 else osl
         out.append(TraceRequest((t - t0) / time_scale, isl, max(osl, 1), ids, row.get("session_id")))
     out.sort(key=lambda r: r.arrival)
     if not out:
         raise WorkloadError(f"trace {path} has no requests")
-    return Workload(out, trace_block, path.stem, f"{path.name}, {len(out)} requests, times ÷{time_scale:g}",
-                    {"source": str(path), "time_scale": time_scale, "skip": skip, "limit": limit})
+    desc = f"{path.name}, {len(out)} requests, times ÷{time_scale:g}" + (f", OSL ×{osl_scale:g}" if osl_scale != 1.0 else "")
+    return Workload(out, trace_block, path.stem, desc,
+                    {"source": str(path), "time_scale": time_scale, "skip": skip, "limit": limit, "osl_scale": osl_scale})
 
 
 # ---------------------------------------------------------------- synthetic loads

@@ -80,6 +80,7 @@ class SimRequest:
     kv_load: str | None = None  # None | "loading" (pull in flight) | "ready" (blocks allocated, schedulable)
     kv_loaded: bool = False  # the prompt KV arrived: only the last prompt token is left (a decode step)
     num_external_tokens: int = 0  # prompt tokens that came from the remote prefill
+    tag: Any = None  # whatever the engine's driver attaches (the replay: the request's record); never read here
 
     @property
     def num_tokens(self) -> int:

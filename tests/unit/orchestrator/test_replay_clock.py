@@ -78,3 +78,13 @@ def test_run_until_stops_before_later_events_and_resumes():
     assert seen == [1.0, 2.0] and c.now == 2.5 and c.peek() == 3.0
     c.run()
     assert seen == [1.0, 2.0, 3.0]
+
+
+def test_advance_only_moves_to_a_time_before_everything_queued():
+    c = VirtualClock()
+    c.at(2.0, lambda: None)
+    assert c.advance(1.5) and c.now == 1.5 and c.events_run == 1
+    assert not c.advance(2.0) and not c.advance(3.0) and c.now == 1.5  # a tie or later: the queue decides
+    assert not c.advance(1.0)  # never backwards
+    c.run()
+    assert c.advance(10.0) and c.now == 10.0  # nothing queued: any later time
