@@ -4,7 +4,8 @@ its summary as JSON: the Dynamo side of benchmarks/replay_compare.py and benchma
 Runs under Dynamo's own venv (scripts/install_dynamo.sh -> .venv-dynamo), not kvyard's:
     .venv-dynamo/bin/python benchmarks/dynamo_replay.py --trace T.jsonl --workers 8 --router round_robin \
         --engine '{"engine": {"block_size": 64, "num_gpu_blocks": 16384, "timing_model": {...}}}' [--speedup 1]
-Output (stdout, one JSON object): summary (Dynamo's, times in ms), wall_s (the call, measured here), max_rss_mb.
+Output (stdout, one JSON object): summary (Dynamo's, times in ms), wall_s (the call, measured here), cpu_s (user +
+system seconds of the whole process, all threads), max_rss_mb.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                          arrival_speedup_ratio=args.speedup, trace_block_size=args.trace_block,
                          kv_event_lag_ms=args.kv_event_lag_ms, capture_per_request=args.per_request, **kw)
     wall = time.perf_counter() - t0
-    out = {"summary": r.summary, "wall_s": wall, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"summary": r.summary, "wall_s": wall, "cpu_s": u.ru_utime + u.ru_stime, "max_rss_mb": u.ru_maxrss / 1024.0}
     if args.per_request and r.per_request:
         out["per_request"] = [{"ttft_ms": p["ttft_ms"], "itl_ms": p["itl_ms"], "e2e_ms": p["e2e_latency_ms"],
                                "reused": p["reused_input_tokens"], "worker": p["decode_worker_idx"]} for p in r.per_request]
