@@ -150,7 +150,17 @@ def agreement_realtime(args) -> dict:
         row["agree"] = all(abs(r - 1) <= 0.10 for r in row["ratio"].values()) and abs(row["hit_points"]) <= 2.0
         rows.append(row)
         print(f"[realtime agreement] {policy}: {row}", flush=True)
-    return {"machine": machine(), "realtime_command": rt.get("command"), "realtime_when": rt.get("when"),
+    unloaded = None
+    if tr.get("unloaded"):  # the benchmark's unloaded reference: its first requests one at a time, max_tokens 1
+        un = tr["unloaded"]
+        seq = load_mooncake(TRACE, limit=un["requests"], osl_scale=1e-9)
+        for i, req in enumerate(seq.requests):
+            req.arrival = i * 600.0  # one at a time: each long done before the next
+        k = kvyard_row(kvyard_run(seq, p["workers"], "round-robin", engine))
+        unloaded = {"requests": un["requests"], "realtime": {"ttft_p50": un["ttft_ms"]["p50"], "ttft_p90": un["ttft_ms"]["p90"]},
+                    "replay": k, "ratio": {m: ratio(k[m], un["ttft_ms"][m.split("_")[1]]) for m in ("ttft_p50", "ttft_p90")}}
+        print(f"[realtime agreement] unloaded: {unloaded}", flush=True)
+    return {"machine": machine(), "unloaded": unloaded, "realtime_command": rt.get("command"), "realtime_when": rt.get("when"),
             "realtime_loadavg": rt.get("loadavg"), "params": {k: p[k] for k in ("requests", "compression", "osl_scale", "block_size",
                                                                                 "num_gpu_blocks", "workers", "speedup")},
             "rows": rows}
@@ -181,8 +191,8 @@ def write_agreement(part: str, data: dict) -> None:
                      f"{k['ttft_p90']:.1f} / {d['ttft_p90']:.1f} ({q['ttft_p90']:.3f}) | {k['itl_p50']:.3f} / {d['itl_p50']:.3f} "
                      f"({q['itl_p50']:.3f}) | {k['hit_rate']:.2%} / {d['hit_rate']:.2%} | {'yes' if r['agree'] else '**no**'} |")
         L.append("")
-    b = doc.get("realtime")
-    if b:
+    for name in sorted(k for k in doc if k.startswith("realtime")):
+        b = doc[name]
         q = b["params"]
         L += ["## (b) kvyard replay vs kvyard's real-time routing benchmark (benchmarks/routing.py)", "",
               f"Real-time run {b['realtime_when']} (load average {b['realtime_loadavg']}): `{b['realtime_command']}`; "
@@ -192,7 +202,7 @@ def write_agreement(part: str, data: dict) -> None:
               f"are medians of its rounds (profile time = wall × speed-up {q['speedup']}); the rounds are listed. The replay's "
               f"frontend durations that the real run kept in wall seconds (pending-prediction TTL, scrape interval) are scaled "
               f"by the speed-up to match; the last column is the replay with them unscaled.", "",
-              "```", doc["commands"]["realtime"], "```", "",
+              "```", doc["commands"][name], "```", "",
               "| policy | TTFT p50 replay / real-time | TTFT p90 replay / real-time | hit rate replay / real-time | real-time rounds (p50, p90, hits) | agree | replay, frontend unscaled (p50, p90, hits) |",
               "|---|---:|---:|---:|---|---|---|"]
         for r in b["rows"]:
@@ -203,6 +213,11 @@ def write_agreement(part: str, data: dict) -> None:
                      f"({r['hit_points']:+.2f} pt) | {rounds} | {'yes' if r['agree'] else '**no**'} | "
                      f"{r['replay_unscaled_frontend']['ttft_p50']:.0f}, {r['replay_unscaled_frontend']['ttft_p90']:.0f}, "
                      f"{r['replay_unscaled_frontend']['hit_rate']:.1%} |")
+        u = b.get("unloaded")
+        if u:
+            L += ["", f"Unloaded (round-robin, the first {u['requests']} requests one at a time, max_tokens 1): replay TTFT p50 "
+                  f"{u['replay']['ttft_p50']:.1f} / p90 {u['replay']['ttft_p90']:.1f} ms, real-time {u['realtime']['ttft_p50']:.1f} / "
+                  f"{u['realtime']['ttft_p90']:.1f} ms (replay / real-time {u['ratio']['ttft_p50']:.3f}, {u['ratio']['ttft_p90']:.3f})."]
         L.append("")
     (RESULTS / "replay_agreement.md").write_text("\n".join(L))
     print("\n".join(L))
@@ -221,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--synthetic", default="sessions:rate=6,requests=4000,osl=300")
     b = sub.add_parser("realtime")
     b.add_argument("--realtime", default=str(RESULTS / "replay_agreement_realtime.json"))
+    b.add_argument("--name", default="realtime", help="the section's key in replay_agreement.json (one per real-time run)")
     r = sub.add_parser("routing")
     from benchmarks.replay_routing import add_args
 
@@ -229,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.part == "dynamo":
         write_agreement("dynamo", agreement_dynamo(args))
     elif args.part == "realtime":
-        write_agreement("realtime", agreement_realtime(args))
+        write_agreement(args.name, agreement_realtime(args))
     else:
         from benchmarks.replay_routing import run as routing_run
 
