@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.dynamo_compare import DYNAMO_VENV, convert_profile  # noqa: E402
+from benchmarks.dynamo_compare import DYNAMO_VENV, STANDIN, convert_profile, write_standin  # noqa: E402
 from orchestrator.config import FrontendConfig  # noqa: E402
 from orchestrator.replay import EngineSpec, Replay, ReplayConfig, load_mooncake, synthetic  # noqa: E402
 from orchestrator.replay.report import result_of  # noqa: E402
@@ -48,8 +48,19 @@ def machine() -> dict:
             "python": sys.version.split()[0], "loadavg": round(os.getloadavg()[0], 2)}
 
 
+def dynamo_standins(tmp: Path) -> Path:
+    """Inert stand-ins for `aisimulate_core` (with .sdk, ._native) and `aisimulate` (with .runner): Dynamo's planner and
+    replay packages import them; neither installs from PyPI; the load-based planner never calls them."""
+    write_standin(tmp)
+    pkg = tmp / "aisimulate"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for mod in ("__init__", "runner"):
+        (pkg / f"{mod}.py").write_text(STANDIN)
+    return tmp
+
+
 def dynamo_run(trace: Path, workers: int, router: str, engine: dict, speedup: float = 1.0, per_request: bool = False,
-               router_config: dict | None = None) -> dict:
+               router_config: dict | None = None, planner_config: dict | None = None, standins: Path | None = None) -> dict:
     """Dynamo's replay in its own venv; its summary (ms), wall seconds and peak RSS."""
     py = DYNAMO_VENV / "bin" / "python"
     if not py.exists():
@@ -60,7 +71,11 @@ def dynamo_run(trace: Path, workers: int, router: str, engine: dict, speedup: fl
         cmd.append("--per-request")
     if router_config:
         cmd += ["--router-config", json.dumps(router_config)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, DYN_LOG="error", RUST_LOG="error"))
+    env = dict(os.environ, DYN_LOG="error", RUST_LOG="error")
+    if planner_config:
+        cmd += ["--planner-config", json.dumps(planner_config)]
+        env["PYTHONPATH"] = str(standins or dynamo_standins(Path(tempfile.mkdtemp(prefix="kvyard-standins-"))))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"Dynamo's replay failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout)

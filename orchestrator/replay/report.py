@@ -109,7 +109,9 @@ def plot(results: list[dict], path: Path, title: str = "kvyard replay") -> Path:
         ax2.set_xlabel("minute (| marks a minute outside the SLA)")
         ax2.grid(alpha=0.3)
         ax2.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    import textwrap
+
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

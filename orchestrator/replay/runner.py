@@ -126,13 +126,15 @@ class Replay:
         """Workers of a role that are starting or ready (not removed)."""
         return [w for w in self.workers.values() if w.role == role and w.removed_at is None]
 
-    def add_worker(self, role: str, startup_s: float = 0.0) -> SimWorker:
+    def add_worker(self, role: str, startup_s: float = 0.0, billed_before_s: float = 0.0) -> SimWorker:
+        """A new worker, routable after `startup_s`, billed from now (less `billed_before_s`: started ahead of time)."""
         eng, now = self.cfg.engine, self.clock.now
         wid = f"{role[0]}{self._ids:05d}"
         self._ids += 1
         sched = make_scheduler(eng.block_size, self.num_gpu_blocks, eng.max_num_seqs, eng.max_num_batched_tokens, eng.max_model_len,
                                eng.enable_prefix_caching, enable_events=self.index is not None)
-        w = SimWorker(wid, role, sched, self.timing, self.clock, self, self.cfg.model, eng.gpus_per_replica, now, now + startup_s)
+        w = SimWorker(wid, role, sched, self.timing, self.clock, self, self.cfg.model, eng.gpus_per_replica, now - billed_before_s,
+                      now + startup_s)
         if role == "prefill":
             w.core.on_held = _hold  # a prefill's blocks stay until the decode has pulled them
         self.workers[wid] = w
@@ -168,12 +170,14 @@ class Replay:
         if self.prefill_router is not None:
             self.prefill_router.loads.remove_worker(w.wid)  # the frontend's on_worker_left hook
 
-    def scale(self, role: str, n: int) -> int:
-        """Set a pool to n workers (starting + ready); returns the count now in effect."""
+    def scale(self, role: str, n: int, startup_s: float | None = None, billed_before_s: float = 0.0) -> int:
+        """Set a pool to n workers (starting + ready); returns the count now in effect. New workers serve after
+        `startup_s` (default the config's); an oracle that started them ahead of time passes 0 and bills the start-up
+        as `billed_before_s`."""
         act = self.active(role)
         now = self.clock.now
         for _ in range(n - len(act)):
-            self.add_worker(role, self.cfg.startup_s)
+            self.add_worker(role, self.cfg.startup_s if startup_s is None else startup_s, billed_before_s)
         if n < len(act):  # not-yet-ready ones first, then the newest
             for w in sorted(act, key=lambda w: (w.ready_at <= now, -w.billed_from, w.wid))[: len(act) - n]:
                 self.remove_worker(w)
