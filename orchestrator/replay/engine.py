@@ -64,6 +64,9 @@ class EngineSink(Protocol):
     def step(self, w: SimWorker, result: StepResult, events: list) -> None:
         """A step ended at clock.now: its sampled tokens, finished requests and KV events."""
 
+    def admitted(self, w: SimWorker, reqs: list[SimRequest]) -> None:
+        """Requests the step being planned admits (first admissions; clock.now is the step's start)."""
+
     def pull(self, w: SimWorker, req: SimRequest, hit_tokens: int) -> None:
         """A decode request was admitted with its prompt KV still on a prefill worker: start the transfer."""
 
@@ -129,6 +132,8 @@ class SimWorker:
         if not sched.has_work:
             return False
         plan, dt = self.core.plan()
+        if plan.newly_admitted:
+            self.sink.admitted(self, plan.newly_admitted)
         if plan.remote_loads:
             for req, hit in plan.remote_loads:
                 self.sink.pull(self, req, hit)

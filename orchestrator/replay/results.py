@@ -29,6 +29,7 @@ class RequestRecord:
     osl: int
     worker: str = ""  # the worker that produced its tokens (decode worker in P/D)
     prefill_worker: str = ""  # P/D: where it was prefilled ("" when locally)
+    admitted: float | None = None  # first admitted by its (decode or aggregated) engine's scheduler
     first: float | None = None
     last: float | None = None
     finish: float | None = None
@@ -133,6 +134,10 @@ def summarize(records: list[RequestRecord], gaps: GapHistogram, end_time: float,
         "requests": len(records), "completed": len(done), "rejected": sum(r.status == "rejected" for r in records),
         "unfinished": sum(r.status == "pending" for r in records),
         "ttft_ms": pct(ttft), "e2e_ms": pct(e2e), "tpot_ms": pct(tpot),
+        # where the TTFT went, as the engines' histograms split it: waiting for the scheduler, then its prefill steps
+        "queue_ms": pct(np.array([r.admitted - r.arrival for r in done if r.admitted is not None], dtype=float)),
+        "prefill_ms": pct(np.array([r.first - r.admitted for r in done if r.admitted is not None and r.first is not None],
+                                   dtype=float)),
         "itl_ms": {"p50": None if itl[0] is None else round(itl[0], 3), "p90": None if itl[1] is None else round(itl[1], 3),
                    "p99": None if itl[2] is None else round(itl[2], 3), "mean": None if mean_itl is None else round(mean_itl, 3)},
         "duration_s": round(end_time, 3), "req_per_s": round(len(done) / span, 4), "output_tok_per_s": round(out_tokens / span, 2),

@@ -352,6 +352,13 @@ class Replay:
         if w.removed_at is not None and w.gone_at is None and w.idle:
             self._gone(w)
 
+    def admitted(self, w: SimWorker, reqs: list[SimRequest]) -> None:
+        now = self.clock.now
+        for req in reqs:
+            rec = req.tag
+            if rec is not None and rec.admitted is None:
+                rec.admitted = now
+
     def _apply_events(self, w: SimWorker, events) -> None:
         if w.gone_at is None:
             self.index.apply_batch(w.wid, events)

@@ -93,6 +93,9 @@ class _Sink:
             rec[1] = self.clock.now
             rec[2] += len(toks)
 
+    def admitted(self, w, reqs) -> None:
+        pass
+
     def pull(self, w, req, hit) -> None:  # pragma: no cover - no P/D here
         raise AssertionError
 
