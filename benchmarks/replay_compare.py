@@ -27,6 +27,8 @@ import json
 import os
 import subprocess
 import sys
+
+import numpy as np
 import tempfile
 import time
 from pathlib import Path
@@ -155,11 +157,22 @@ def agreement_realtime(args) -> dict:
         real = tr["runs"][policy]
         k = kvyard_row(kvyard_run(wl, p["workers"], policy, engine, frontend=scaled))
         unscaled = kvyard_row(kvyard_run(wl, p["workers"], policy, engine))
+        jittered = []  # the real client sends late by a few ms (send lag): the replay with that much jitter, seeded
+        for seed in range(args.jitter_seeds):
+            jw = load_mooncake(TRACE, time_scale=p["compression"], limit=p["requests"], osl_scale=p["osl_scale"])
+            rng = np.random.default_rng(seed)
+            for req in jw.requests:
+                req.arrival += float(rng.uniform(0.0, args.jitter_ms / 1000.0))
+            jw.requests.sort(key=lambda req: req.arrival)
+            jittered.append(kvyard_row(kvyard_run(jw, p["workers"], policy, engine, frontend=scaled)))
         rounds = [{"ttft_p50": x["ttft_ms"]["p50"], "ttft_p90": x["ttft_ms"]["p90"], "hit_rate": x["hit_rate"]}
                   for x in real.get("rounds", [real])]
         row = {"policy": policy, "realtime_median": {"ttft_p50": real["ttft_ms"]["p50"], "ttft_p90": real["ttft_ms"]["p90"],
                                                      "hit_rate": real["hit_rate"]}, "realtime_rounds": rounds, "replay": k,
-               "replay_unscaled_frontend": unscaled, "frontend_scaled": scaled}
+               "replay_unscaled_frontend": unscaled, "frontend_scaled": scaled,
+               "jitter": {"ms": args.jitter_ms, "seeds": args.jitter_seeds,
+                          **{m: {"min": min(j[m] for j in jittered), "median": float(np.median([j[m] for j in jittered])),
+                                 "max": max(j[m] for j in jittered)} for m in ("ttft_p50", "ttft_p90")}} if jittered else None}
         row["ratio"] = {m: ratio(k[m], row["realtime_median"][m]) for m in ("ttft_p50", "ttft_p90")}
         row["hit_points"] = round(100 * (k["hit_rate"] - real["hit_rate"]), 2)
         row["agree"] = all(abs(r - 1) <= 0.10 for r in row["ratio"].values()) and abs(row["hit_points"]) <= 2.0
@@ -228,6 +241,13 @@ def write_agreement(part: str, data: dict) -> None:
                      f"({r['hit_points']:+.2f} pt) | {rounds} | {'yes' if r['agree'] else '**no**'} | "
                      f"{r['replay_unscaled_frontend']['ttft_p50']:.0f}, {r['replay_unscaled_frontend']['ttft_p90']:.0f}, "
                      f"{r['replay_unscaled_frontend']['hit_rate']:.1%} |")
+        js = [(r["policy"], r["jitter"]) for r in b["rows"] if r.get("jitter")]
+        if js:
+            L += ["", f"The replay again with each arrival delayed by a uniform 0–{js[0][1]['ms']:g} ms (profile; the real client's "
+                  f"send lag is of that order), {js[0][1]['seeds']} seeds: "
+                  + "; ".join(f"{pol} TTFT p50 {j['ttft_p50']['min']:.0f}–{j['ttft_p50']['max']:.0f} (median {j['ttft_p50']['median']:.0f}), "
+                              f"p90 {j['ttft_p90']['min']:.0f}–{j['ttft_p90']['max']:.0f} (median {j['ttft_p90']['median']:.0f}) ms"
+                              for pol, j in js) + "."]
         u = b.get("unloaded")
         if u:
             L += ["", f"Unloaded (round-robin, the first {u['requests']} requests one at a time, max_tokens 1): replay TTFT p50 "
@@ -252,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("realtime")
     b.add_argument("--realtime", default=str(RESULTS / "replay_agreement_realtime.json"))
     b.add_argument("--name", default="realtime", help="the section's key in replay_agreement.json (one per real-time run)")
+    b.add_argument("--jitter-ms", type=float, default=10.0, help="also replay with arrivals delayed uniformly by up to this")
+    b.add_argument("--jitter-seeds", type=int, default=8)
     r = sub.add_parser("routing")
     from benchmarks.replay_routing import add_args
 

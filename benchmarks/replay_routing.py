@@ -4,7 +4,8 @@ routing`; see that file for how the engines are put on the mocker's terms).
 Per fleet size N (default 8, 32, 128): the whole conversation trace with its times divided by a scale s_N chosen so
 that round-robin's TTFT p90 is at least 3x its unloaded value. Unloaded = the same trace at 1/50 of its own rate through
 round-robin on 8 workers (no queueing; prefix hits as they come). s_N is the first of --scale-candidates × N/8 (per-worker
-load held) that reaches 3x in kvyard's round-robin, unless --scales gives it. Then four replays on the same file:
+load held; a larger fleet starts at the factor the smaller one needed) that reaches 3x in kvyard's round-robin, unless
+--scales gives it. Then four replays on the same file:
 kvyard kv (the frontend's defaults) and round-robin, Dynamo kv_router (its defaults: overlap weight 1, temperature 0,
 KV events) and round_robin. Reported: TTFT p50/p90/p99, ITL p50, prefix-cache hit rate (reused prompt tokens / prompt
 tokens) and kvyard's share of the fleet bound; targets: kvyard kv TTFT p90 <= 0.9x Dynamo kv_router's, hits >= Dynamo's.
@@ -32,7 +33,7 @@ def add_args(ap) -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--num-gpu-blocks", type=int, default=16384)
     ap.add_argument("--scales", default="", help="N:s,... time scales per fleet size (skips the search)")
-    ap.add_argument("--scale-candidates", type=float, nargs="+", default=[1.0, 1.5, 2.0, 3.0, 4.0],
+    ap.add_argument("--scale-candidates", type=float, nargs="+", default=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
                     help="times N/8: the search's time scales")
     ap.add_argument("--out", default="replay_routing")
 
@@ -48,19 +49,21 @@ def run(args) -> dict:
     print(f"[routing] unloaded TTFT p90 {unloaded} ms (p50 {light['ttft_p50']})", flush=True)
     out = {"machine": machine(), "block_size": args.block_size, "num_gpu_blocks": args.num_gpu_blocks, "unloaded": light,
            "command": "benchmarks/replay_compare.py " + " ".join(sys.argv[1:]), "fleets": []}
+    floor = 0.0  # per-worker load factor that reached 3x on the previous fleet: larger fleets start there
     for n in args.fleets:
         tried = []
         if n in fixed:
             scale = fixed[n]
             rr = kvyard_row(kvyard_run(load_mooncake(TRACE, time_scale=scale), n, "round-robin", engine))
         else:
-            for c in args.scale_candidates:
+            for c in [c for c in args.scale_candidates if c >= floor] or args.scale_candidates[-1:]:
                 scale = c * n / 8
                 rr = kvyard_row(kvyard_run(load_mooncake(TRACE, time_scale=scale), n, "round-robin", engine))
                 tried.append({"scale": scale, "rr_ttft_p90": rr["ttft_p90"]})
                 print(f"[routing] N={n} scale {scale:g}: round-robin TTFT p90 {rr['ttft_p90']} ms "
                       f"({rr['ttft_p90'] / unloaded:.2f}x unloaded)", flush=True)
                 if rr["ttft_p90"] >= 3 * unloaded:
+                    floor = c
                     break
         wl = load_mooncake(TRACE, time_scale=scale)
         bound = fleet_bound(wl, args.block_size, n * (args.num_gpu_blocks - 1))

@@ -50,7 +50,7 @@ def add_replay_parser(sub) -> argparse.ArgumentParser:
     rp.add_argument("--find-min-workers", action="store_true", help="search the smallest fleet (per pool for P/D) meeting the SLO")
     rp.add_argument("--max-workers", type=int, default=256, help="--find-min-workers: upper end of the search")
     rp.add_argument("--config", type=Path, default=None, help="YAML of ReplayConfig keys (flags win)")
-    rp.add_argument("--seed", type=int, default=7, help="synthetic loads")
+    rp.add_argument("--seed", type=int, default=7, help="synthetic loads and the routers' random tie-breaks")
     rp.add_argument("--json", type=Path, default=None, help="write the results here")
     rp.add_argument("--plot", type=Path, default=None, help="write a PNG here (TTFT CDF; replicas and SLA over time)")
     rp.add_argument("--no-bound", action="store_true", help="skip the fleet bound on hits (a Belady pass over the workload)")
@@ -76,6 +76,7 @@ def _config(ns: argparse.Namespace):
             data[key] = getattr(ns, flag)
     if ns.prefill or ns.decode:
         data.setdefault("workers", 0)
+    data.setdefault("seed", ns.seed)
     if ns.planner is not None:
         data["planner"] = load_yaml(ns.planner)
     return ReplayConfig(**data)

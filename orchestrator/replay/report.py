@@ -38,6 +38,11 @@ def result_of(replay: Replay, label: str, bound: dict | None | bool = True) -> d
         s["hit_share_of_bound"] = round(s["hit_rate"] / bound["hit_rate"], 4) if s["hit_rate"] is not None else None
     s["gpu_seconds"] = round(replay.gpu_seconds(), 1)
     s["preemptions"] = sum(w.sched.num_preemptions for w in replay.workers.values())
+    if cfg.disaggregated:  # where each request was prefilled, by the frontend's decision (orchestrator/disagg/decision.py)
+        reasons: dict[str, int] = {}
+        for r in replay.records:
+            reasons[r.disagg or "-"] = reasons.get(r.disagg or "-", 0) + 1
+        s["disagg_reasons"] = reasons
     s["workers_peak"] = {role: max([n for _, r, n in replay.fleet_log if r == role], default=0) for role in replay.roles}
     return {"label": label, "policy": cfg.frontend.policy, "summary": s, "wall_s": round(replay.wall_s, 2),
             "events": replay.clock.events_run,

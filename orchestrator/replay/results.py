@@ -135,6 +135,7 @@ def summarize(records: list[RequestRecord], gaps: GapHistogram, end_time: float,
         "unfinished": sum(r.status == "pending" for r in records),
         "ttft_ms": pct(ttft), "e2e_ms": pct(e2e), "tpot_ms": pct(tpot),
         # where the TTFT went, as the engines' histograms split it: waiting for the scheduler, then its prefill steps
+        # (P/D: the wait runs until the decode engine admits the request, so it holds the remote prefill and transfer)
         "queue_ms": pct(np.array([r.admitted - r.arrival for r in done if r.admitted is not None], dtype=float)),
         "prefill_ms": pct(np.array([r.first - r.admitted for r in done if r.admitted is not None and r.first is not None],
                                    dtype=float)),
