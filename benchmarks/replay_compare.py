@@ -77,7 +77,8 @@ def dynamo_run(trace: Path, workers: int, router: str, engine: dict, speedup: fl
     if planner_config:
         cmd += ["--planner-config", json.dumps(planner_config)]
         env["PYTHONPATH"] = str(standins or dynamo_standins(Path(tempfile.mkdtemp(prefix="kvyard-standins-"))))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    # in a scratch folder: Dynamo's planner writes its HTML reports into the working directory
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.mkdtemp(prefix="kvyard-dynamo-run-"))
     if proc.returncode != 0:
         raise RuntimeError(f"Dynamo's replay failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout)

@@ -102,12 +102,12 @@ def write(out: dict, name: str) -> None:
          "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for f in out["fleets"]:
         lab = f"×{f['time_scale']:g}, {f['rate']}"
-        for who, name, r in (("kvyard", "kv", f["kvyard"]["kv"]), ("kvyard", "round-robin", f["kvyard"]["round-robin"]),
-                             ("Dynamo", "kv_router", f["dynamo"]["kv_router"]), ("Dynamo", "round_robin", f["dynamo"]["round_robin"])):
+        for who, router, r in (("kvyard", "kv", f["kvyard"]["kv"]), ("kvyard", "round-robin", f["kvyard"]["round-robin"]),
+                               ("Dynamo", "kv_router", f["dynamo"]["kv_router"]), ("Dynamo", "round_robin", f["dynamo"]["round_robin"])):
             share = r.get("share_of_bound")
             if share is None and f["fleet_bound_hit_rate"]:
                 share = r["hit_rate"] / f["fleet_bound_hit_rate"]
-            L.append(f"| {f['workers']} | {lab} | {who} {name} | {_fmt(r['ttft_p50'])} | {_fmt(r['ttft_p90'])} | {_fmt(r['ttft_p99'])} | "
+            L.append(f"| {f['workers']} | {lab} | {who} {router} | {_fmt(r['ttft_p50'])} | {_fmt(r['ttft_p90'])} | {_fmt(r['ttft_p99'])} | "
                      f"{_fmt(r['itl_p50'], 2)} | {r['hit_rate']:.2%} | {'-' if share is None else f'{share:.1%}'} | {_fmt(r['wall_s'])} |")
     L += ["", "| workers | round-robin p90 / unloaded (kvyard, Dynamo) | kvyard kv p90 / Dynamo kv_router p90 (target <= 0.9) | "
               "hits kvyard kv − Dynamo kv_router (target >= 0) |", "|---:|---|---:|---:|"]

@@ -34,7 +34,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 KVYARD_CHILD = r"""
 import json, os, resource, sys, time
-os.sched_setaffinity(0, {cpu})
+os.sched_setaffinity(0, {{{cpu}}})
 from orchestrator.config import FrontendConfig
 from orchestrator.replay import EngineSpec, Replay, ReplayConfig, load_mooncake
 from orchestrator.replay.report import result_of

@@ -181,6 +181,6 @@ def make_scheduler(block_size: int, num_gpu_blocks: int, max_num_seqs: int, max_
                    enable_prefix_caching: bool = True, enable_events: bool = True) -> Scheduler:
     """The sim's scheduler over a KV block manager that publishes the router's block hashes."""
     kv = KvBlockManager(num_gpu_blocks, block_size, enable_caching=enable_prefix_caching, enable_events=enable_events,
-                        external=_identity)
+                        external=_identity, coalesce_removals=True)
     return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      hasher=RouterBlockHasher(block_size))

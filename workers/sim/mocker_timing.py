@@ -42,11 +42,6 @@ def is_mocker_npz(path: str | Path) -> bool:
         return all(k in npz.files for k in MOCKER_KEYS)
 
 
-def _cell(xs: list[float], x: float) -> int:
-    """Index i of the grid cell [xs[i], xs[i+1]] used for x (an edge cell outside the grid: extrapolation)."""
-    return min(max(bisect_right(xs, x) - 1, 0), len(xs) - 2)
-
-
 class MockerTiming:
     def __init__(self, path: str | Path, speedup: float = 1.0) -> None:
         if speedup <= 0:
@@ -65,6 +60,7 @@ class MockerTiming:
         if itl.shape != (len(self._kv), len(self._ctx)) or min(itl.shape) < 2:
             raise ValueError(f"{path}: decode_itl must be (len(active_kv), len(context)) >= 2x2, is {itl.shape}")
         self._itl = itl.tolist()
+        self._last_x, self._last_y = len(self._kv) - 2, len(self._ctx) - 2
         self.path = str(path)
         self.speedup = speedup
         self.prefill_pricing = "mocker"
@@ -79,16 +75,26 @@ class MockerTiming:
 
     def decode_ms(self, active_kv_tokens: float, context_length: float) -> float:
         xs, ys, z = self._kv, self._ctx, self._itl
-        i, j = _cell(xs, active_kv_tokens), _cell(ys, context_length)
-        tx = (active_kv_tokens - xs[i]) / (xs[i + 1] - xs[i])
-        ty = (context_length - ys[j]) / (ys[j + 1] - ys[j])
-        z0 = z[i][j] + (z[i + 1][j] - z[i][j]) * tx
-        z1 = z[i][j + 1] + (z[i + 1][j + 1] - z[i][j + 1]) * tx
-        return max(1.0, z0 + (z1 - z0) * ty)
+        i = bisect_right(xs, active_kv_tokens) - 1  # the grid cell used for x (an edge cell outside: extrapolation)
+        i = 0 if i < 0 else (self._last_x if i > self._last_x else i)
+        j = bisect_right(ys, context_length) - 1
+        j = 0 if j < 0 else (self._last_y if j > self._last_y else j)
+        x0, y0 = xs[i], ys[j]
+        tx = (active_kv_tokens - x0) / (xs[i + 1] - x0)
+        ty = (context_length - y0) / (ys[j + 1] - y0)
+        zi, zi1 = z[i], z[i + 1]
+        z0 = zi[j] + (zi1[j] - zi[j]) * tx
+        z1 = zi[j + 1] + (zi1[j + 1] - zi[j + 1]) * tx
+        v = z0 + (z1 - z0) * ty
+        return v if v > 1.0 else 1.0
 
     def plan_ms(self, plan, kv) -> float:
         """A scheduler StepPlan's step time on the engine's KV manager `kv` (blocks in use after scheduling)."""
         chunks = plan.prefill_chunks
+        if not chunks:  # decode only: the common step
+            ctxs = plan.decode_contexts
+            active = (kv.num_gpu_blocks - 1 - kv.num_free_blocks) * kv.block_size
+            return self.decode_ms(float(active), float(sum(ctxs) // len(ctxs))) / self.speedup if ctxs else 0.0
         pre = 0.0
         if chunks:
             total_isl = total_prefix = 0

@@ -218,15 +218,20 @@ class Scheduler:
         i = 0
         running = self.running
         limit = self.max_model_len - 1
+        max_len = self.max_model_len
+        allocate = kv.allocate_slots
+        decode_contexts, scheduled_list = plan.decode_contexts, plan.scheduled
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            n = min(len(req.all_token_ids) - computed, budget, limit - computed)
+            all_ids = req.all_token_ids
+            total = len(all_ids)
+            n = min(total - computed, budget, limit - computed)
             if n <= 0:
                 i += 1
                 continue
             scheduled = True
-            while not kv.allocate_slots(req.request_id, req.all_token_ids, req.block_hashes, computed, n, (), self.max_model_len):
+            while not allocate(req.request_id, all_ids, req.block_hashes, computed, n, (), max_len):
                 victim = self.running.pop()
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -235,7 +240,12 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            self._plan(plan, req, n)
+            if n == 1 and computed + 1 == total and (req.output_token_ids or req.kv_loaded):  # a decode: _plan, inlined
+                decode_contexts.append(total)
+                scheduled_list.append((req, 1))
+                req.num_computed_tokens = total
+            else:
+                self._plan(plan, req, n)
             budget -= n
             i += 1
 
