@@ -138,10 +138,10 @@ class Bench:
         return self.summarize("kvyard planner", r, kvyard_reqs(r), r.gpu_seconds(), [[t, n] for t, _, n in r.fleet_log], t0,
                               {"planner_config": driver.cfg.model_dump(exclude={"load", "profiles"}), "decisions": driver.decisions[:300]})
 
-    def dynamo(self, path: Path, start: int, cap: int) -> dict:
+    def dynamo(self, path: Path, start: int, cap: int, target: str = "throughput") -> dict:
         a, t0 = self.args, time.perf_counter()
         pc = {"mode": "agg", "backend": "mocker", "environment": "virtual", "min_endpoint": 1, "max_gpu_budget": cap,
-              "ttft_ms": a.ttft, "itl_ms": a.itl}
+              "ttft_ms": a.ttft, "itl_ms": a.itl, "optimization_target": target}
         d = dynamo_run(path, start, "kv_router", self.dyn_engine, per_request=True, planner_config=pc, standins=self.standins)
         reqs = dynamo_reqs(d)
         ev = d["planner"]["scaling_events"]
@@ -152,7 +152,7 @@ class Bench:
         gpu = float(s.get("decode_worker_seconds") or 0.0) + float(s.get("prefill_worker_seconds") or 0.0)
         mins = sla_minutes(reqs, self.end_s, a.ttft, a.itl)
         met = sum(m["ok"] for m in mins)
-        return {"policy": "dynamo planner", "minutes": len(mins), "minutes_met": met, "attainment": met / len(mins),
+        return {"policy": "dynamo planner" + ("" if target == "throughput" else f" ({target})"), "minutes": len(mins), "minutes_met": met, "attainment": met / len(mins),
                 "gpu_seconds": round(gpu, 1), "wall_s": round(time.perf_counter() - t0, 1), "per_minute": mins, "fleet": fleet,
                 "planner_config": pc, "dynamo_ticks": d["planner"]["total_ticks"], "completed": s["completed_requests"]}
 
@@ -184,6 +184,8 @@ def run_load(b: Bench, name: str, path: Path) -> dict:
     cap = 2 * peak
     results["kvyard planner"] = b.kvyard(wl, need[0], cap)
     results["dynamo planner"] = b.dynamo(path, need[0], cap)
+    for target in filter(None, a.dynamo_variants.split(",")):
+        results[f"dynamo planner ({target})"] = b.dynamo(path, need[0], cap, target)
     for k, res in results.items():
         print(f"[{name}] {k:15s} {res['minutes_met']}/{res['minutes']} minutes, {res['gpu_seconds']:,.0f} GPU-s", flush=True)
     return {"requests": len(wl), "duration_min": round(wl.duration / 60, 1), "static_sweep": {str(k): v for k, v in sweep.items()},
@@ -227,15 +229,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-step", type=int, default=8)
     ap.add_argument("--max-workers", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--dynamo-variants", default="latency", help="Dynamo optimization targets run beside its default (throughput)")
+    ap.add_argument("--add-dynamo-variants", action="store_true",
+                    help="only run --dynamo-variants on the loads of an existing results/<out>.json (same seeds and starts) and merge")
     ap.add_argument("--out", default="planner_sim")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="kvyard-planner-bench-"))
     b = Bench(args, tmp)
+    if args.add_dynamo_variants:
+        return add_variants(b, args, tmp)
     report = {"machine": machine(), "command": "kvyard bench planner " + " ".join(argv if argv is not None else sys.argv[1:]),
               "config": vars(args), "loads": {}}
     for name, path in loads(args, tmp).items():
         report["loads"][name] = run_load(b, name, path)
         write(report, args)
+    return 0
+
+
+def add_variants(b: Bench, args, tmp: Path) -> int:
+    """Dynamo planner variants run after the fact on the same loads, starts and caps, merged into the report."""
+    path = RESULTS / f"{args.out}.json"
+    report = json.loads(path.read_text())
+    files = loads(argparse.Namespace(**{**report["config"], "loads": ",".join(report["loads"])}), tmp)
+    for name, d in report["loads"].items():
+        wl = load_mooncake(files[name])
+        b.end_s = wl.duration
+        start = d["policies"]["oracle"]["schedule"][0]
+        cap = 2 * d["policies"]["static at peak"]["workers"]
+        for target in filter(None, args.dynamo_variants.split(",")):
+            r = b.dynamo(files[name], start, cap, target)
+            d["policies"][r["policy"]] = r
+            print(f"[{name}] {r['policy']}: {r['minutes_met']}/{r['minutes']} minutes, {r['gpu_seconds']:,.0f} GPU-s", flush=True)
+    report["command_variants"] = "kvyard bench planner --add-dynamo-variants --dynamo-variants " + args.dynamo_variants
+    write(report, argparse.Namespace(**report["config"]))
     return 0
 
 
