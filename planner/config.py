@@ -61,7 +61,7 @@ class PlannerConfig(BaseModel):
     # the SLA count plans for queueing up to the TTFT target, so a queue alone is no sign of under-sizing
     hybrid_prefill_queue: bool = False
     # headroom from the forecast error less the window's own sampling noise: measured worse (more missed minutes at
-    # the same GPU-seconds, benchmarks/results/planner_sim.md), so off; the noise is a real error of the rate estimate
+    # the same GPU-seconds, benchmarks/results/planner_model_legacy.md), so off; the noise is a real error of the rate estimate
     net_of_sampling_noise: bool = False
     max_headroom: float = Field(1.5, ge=1)  # cap on that safety factor
     load: LoadThresholds = Field(default_factory=LoadThresholds)
