@@ -1,7 +1,7 @@
 """Planner benchmark on `kvyard replay`: kvyard's planner, Dynamo's planner, static at peak and the oracle, on the same
 engines and loads; minutes within the SLA and GPU-seconds.
 
-    kvyard bench planner [--loads mooncake,daily,walk] [--out planner_sim]
+    python -m benchmarks planner [--loads mooncake,daily,walk] [--out planner_sim]
     .venv/bin/python benchmarks/planner_sim.py [same flags]
 
 Every run serves the same JSONL through an aggregated pool of engines on the mocker's terms (the bundled H200 profile
@@ -210,7 +210,7 @@ def loads(args, tmp: Path) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvyard bench planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m benchmarks planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loads", default="mooncake,daily,walk")
     ap.add_argument("--mooncake-scale", type=float, default=4.0)
     ap.add_argument("--daily-minutes", type=float, default=40.0)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     b = Bench(args, tmp)
     if args.add_dynamo_variants:
         return add_variants(b, args, tmp)
-    report = {"machine": machine(), "command": "kvyard bench planner " + " ".join(argv if argv is not None else sys.argv[1:]),
+    report = {"machine": machine(), "command": "python -m benchmarks planner " + " ".join(argv if argv is not None else sys.argv[1:]),
               "config": vars(args), "loads": {}}
     for name, path in loads(args, tmp).items():
         report["loads"][name] = run_load(b, name, path)
@@ -260,7 +260,7 @@ def add_variants(b: Bench, args, tmp: Path) -> int:
             r = b.dynamo(files[name], start, cap, target)
             d["policies"][r["policy"]] = r
             print(f"[{name}] {r['policy']}: {r['minutes_met']}/{r['minutes']} minutes, {r['gpu_seconds']:,.0f} GPU-s", flush=True)
-    report["command_variants"] = "kvyard bench planner --add-dynamo-variants --dynamo-variants " + args.dynamo_variants
+    report["command_variants"] = "python -m benchmarks planner --add-dynamo-variants --dynamo-variants " + args.dynamo_variants
     write(report, argparse.Namespace(**report["config"]))
     return 0
 

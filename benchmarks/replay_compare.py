@@ -2,7 +2,7 @@
 
     scripts/install_dynamo.sh                                   # once: Dynamo 1.6.1 in .venv-dynamo
     .venv/bin/python benchmarks/replay_compare.py dynamo        # agreement (a): round-robin, engines on the mocker's terms
-    .venv/bin/kvyard bench routing --policies kv,round-robin --skip unloaded,shared --compression 6 --repeats 3 \
+    .venv/bin/python -m benchmarks routing --policies kv,round-robin --skip unloaded,shared --compression 6 --repeats 3 \
         --out replay_agreement_realtime                          # the real-time side of (b)
     .venv/bin/python benchmarks/replay_compare.py realtime      # agreement (b): the replay at that run's settings
     .venv/bin/python benchmarks/replay_compare.py routing       # kv vs Dynamo's kv_router at 8, 32 and 128 workers
