@@ -5,8 +5,10 @@ chunked prefill, paged KV with prefix caching via `KvBlockManager`) timed by its
 (the NPZ profile). `SimEngine.run` does this in scaled real time; `Cluster` does the same loop on a
 virtual clock (a discrete-event heap), so a minute of serving costs only the scheduler's CPU time:
 
-    worker idle + work arrives -> plan = schedule(); step ends at now + step_ms(plan)
-    step end                   -> update_from_output(plan); start the next step if there is work
+    worker idle + work arrives -> plan, dt = core.plan(); the step ends at now + dt
+    step end                   -> core.finish(plan, dt); start the next step if there is work
+(core: the sim's EngineCore, workers/sim/core.py, the step loop SimEngine and `kvyard replay` drive too; `kvyard replay`,
+orchestrator/replay/, is the product grown from this driver, with the frontend's routers and the planner in the loop.)
 
 Modes (the same GPUs, the same requests):
 - ``agg``: every worker does prefill and decode; a request goes to the worker with the fewest active
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from workers.sim.core import EngineCore
 from workers.sim.hashing import BlockHasher
 from workers.sim.kv_manager import KvBlockManager
 from workers.sim.profiles import Profile
@@ -161,7 +164,7 @@ class RunResult:
 
 
 class _Worker:
-    __slots__ = ("idx", "role", "sched", "kv", "busy", "plan")
+    __slots__ = ("idx", "role", "sched", "kv", "busy", "plan", "dt", "core")
 
     def __init__(self, idx: int, role: str, profile: Profile, eng: EngineConfig, hasher: BlockHasher) -> None:
         blocks = eng.num_gpu_blocks or profile.max_kv_tokens // eng.block_size  # type: ignore[operator]
@@ -172,6 +175,8 @@ class _Worker:
                                max_model_len=eng.max_model_len, hasher=hasher)
         self.busy = False
         self.plan: StepPlan | None = None
+        self.dt = 0.0
+        self.core: EngineCore | None = None  # set by the Cluster, with its timing model
 
     def active_tokens(self) -> int:
         """Load for routing: tokens of every request it holds or will hold (Dynamo's active blocks, in tokens)."""
@@ -214,6 +219,9 @@ class Cluster:
         else:
             roles = ["prefill"] * n_prefill + ["decode"] * (n_gpus - n_prefill)
         self.workers = [_Worker(i, r, profile, self.eng, self.hasher) for i, r in enumerate(roles)]
+        for w in self.workers:
+            w.core = EngineCore(w.sched, self.timing)
+            w.core.on_held = lambda _rid, _n: True  # a prefill's blocks stay held until its decode has pulled them
         self.prefill = [w for w in self.workers if w.role == "prefill"]
         self.serving = [w for w in self.workers if w.role != "prefill"]  # produce client tokens
         self._events: list[tuple[float, int, str, object]] = []
@@ -231,13 +239,12 @@ class Cluster:
         and has work, plan a step, start the KV pulls it admitted, and end the step after step_ms."""
         if w.busy or not w.sched.has_work:
             return
-        plan = w.sched.schedule()
+        plan, dt = w.core.plan()
         for req, hit in plan.remote_loads:
             self._push(self.now + self.transfer.seconds(req.num_tokens - hit), "landed", (w, req))
         if not plan:
             return  # only pulls started, or nothing fits now: a step end or a landing retries
-        dt = self.timing.step_ms(plan.prefill_chunks, plan.decode_contexts, plan.starts_prefill) / 1000.0
-        w.busy, w.plan = True, plan
+        w.busy, w.plan, w.dt = True, plan, dt
         self._push(self.now + dt, "step", w)
 
     # ---- run -----------------------------------------------------------------------------------
@@ -289,7 +296,7 @@ class Cluster:
                 w = payload  # type: ignore[assignment]
                 plan, w.plan, w.busy = w.plan, None, False
                 self.steps += 1
-                result = w.sched.update_from_output(plan)
+                result = w.core.finish(plan, w.dt)
                 if w.role != "prefill":  # a prefill worker's own token is discarded (vLLM's P/D proxy)
                     for req, toks in result.outputs:
                         rec = self.by_id.get(req.request_id)

@@ -1,283 +1,274 @@
-"""Planner benchmark (offline, virtual clock): SLA attainment and GPU-seconds of four ways to size a
-disaggregated Llama-3.1-8B-FP8 deployment on H200 (the bundled profile), on two time-varying loads.
+"""Planner benchmark on `kvyard replay`: kvyard's planner, Dynamo's planner, static at peak and the oracle, on the same
+engines and loads; minutes within the SLA and GPU-seconds.
 
-    python -m benchmarks.planner_sim [--workload daily|mooncake|all] [--minutes 240] [--out benchmarks/results]
+    python -m benchmarks planner [--loads mooncake,daily,walk] [--out planner_sim]
+    .venv/bin/python benchmarks/planner_sim.py [same flags]
 
-Loads (request bodies — ISL, OSL, and the prefix hits their hash_ids give in a 512-token-block LRU
-of --cache-blocks — are the Mooncake conversation trace's):
-    daily     a compressed day of `--minutes`: rate(t) = trough + (peak − trough)·(1 − cos 2πt/T)/2,
-              Poisson arrivals, plus 3 bursts of ×1.6 for 3 min each at random times (seeded);
-              bodies drawn at random from the trace, prefix hits as in a warm replay of it
-    mooncake  the trace's own arrival times divided by `--mooncake-speed` (5: ~17 req/s for ~12 min)
-Policies: planner (kvyard), static at the oracle's peak, keda (queue threshold 5), oracle (see
-planner_policies.py), and late-oracle:h (the oracle's per-minute counts one minute late, × headroom h,
-ready at once: more than a reactive planner knows, a reference for what reacting can reach, not a proof).
-SLA: a minute meets it when its TTFT p90 <= --ttft and its token-weighted ITL p90 <= --itl. Output: results/planner_sim.json and results/planner_sim_<workload>.png.
+Every run serves the same JSONL through an aggregated pool of engines on the mocker's terms (the bundled H200 profile
+through Dynamo's converter, Dynamo's mocker step timing; block size 64, 16,384 KV blocks per worker), so kvyard's replay
+and Dynamo's replay run the same engines (benchmarks/results/replay_agreement.md). New workers serve --startup seconds
+after the scale-up request and are billed from it; removed ones drain (billed until their last request ends).
+    kvyard     kvyard's PlannerLoop in kvyard replay (orchestrator/replay/planning.py): the frontend's telemetry, a tick
+               every --interval s, hybrid mode with the peak_trend predictor (the planner's defaults otherwise;
+               lookahead = start-up, scale-down cooldown --cooldown s, stabilisation window --down-window s, step --max-step)
+    dynamo     Dynamo 1.6.1's planner in Dynamo's own replay (`run_trace_replay(planner_config=...)`): mode agg, its default
+               optimization target "throughput" (load-based thresholds on queue and KV use, a 5 s load loop; its
+               SLA target needs AISimulate, which does not install here, so its SLA mode is not run); min 1 endpoint,
+               a GPU budget above anything the load needs; engines with the same start-up time
+    static     the smallest fixed fleet that meets every minute (found by the sweep below)
+    oracle     knows the future: each minute, the smallest fleet whose fixed-size run met that minute (a sweep of fixed
+               fleets 1..static), kept through a dip no longer than the start-up, ready on time (its start-up billed)
+A minute is within the SLA when the TTFT p90 of the requests whose first token came in it is <= --ttft and the
+token-weighted p90 of their mean inter-token latencies is <= --itl: the same function on both replays' per-request
+records. Every policy starts with the oracle's first-minute fleet.
+Loads (files in a temp dir; bodies are the conversation trace's: lengths and prefix sharing):
+    mooncake   the conversation trace at --mooncake-scale × its rate
+    daily      synthetic daily (orchestrator/replay/workload.py): --daily-minutes, trough --daily-trough to peak --daily-peak
+               req/s, 3 bursts ×1.6 for 3 min; bodies drawn from the trace
+    walk       synthetic walk, a shape nobody tuned to (a seeded random walk of the rate with two flash crowds): chosen and
+               fixed before any planner ran on it, and no setting was changed after
+Writes benchmarks/results/planner_sim.{json,md} and planner_sim_<load>.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.planner_model import DisaggSim, Requests, SimConfig, cached_tokens
-from benchmarks.planner_policies import KedaPolicy, PlannerPolicy, oracle_minute
-from planner.config import PlannerConfig
-from planner.perf_model import load_perf_model
-from planner.predictors import PREDICTORS
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-HERE = Path(__file__).resolve().parent
-TRACE = HERE / "data" / "mooncake_conversation_trace.jsonl"
+from benchmarks.dynamo_compare import convert_profile  # noqa: E402
+from benchmarks.replay_compare import RESULTS, TRACE, dynamo_run, dynamo_standins, machine, mocker_engine  # noqa: E402
+from orchestrator.config import FrontendConfig  # noqa: E402
+from orchestrator.replay import EngineSpec, Replay, ReplayConfig, load_mooncake, synthetic  # noqa: E402
+from orchestrator.replay.planning import PlannerDriver  # noqa: E402
 
-
-# planner variants run beside the default one (--variants): what each changes in the PlannerConfig
-VARIANTS: dict[str, dict] = {
-    "before": {"predictor": "kalman", "net_of_sampling_noise": False, "hybrid_prefill_queue": True},  # the earlier defaults
-    "kalman": {"predictor": "kalman"},
-    "peak_trend": {"predictor": "peak_trend"},
-    "prefill_queue": {"hybrid_prefill_queue": True},
-    "peak_trend+prefill_queue": {"predictor": "peak_trend", "hybrid_prefill_queue": True},
-    "net_noise": {"net_of_sampling_noise": True},
-    "peak_trend+net_noise": {"predictor": "peak_trend", "net_of_sampling_noise": True},
-    "sla": {"mode": "sla"},
-}
+MODEL = "kvyard-sim"
 
 
-def load_trace(path: Path = TRACE) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+# ---------------------------------------------------------------- minutes within the SLA (both replays)
 
-
-def _bodies(rows: list[dict], cache_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ISL, OSL and prefix-hit tokens of the trace's requests, in trace order."""
-    isl = np.array([r["input_length"] for r in rows], dtype=float)
-    osl = np.array([max(r["output_length"], 1) for r in rows], dtype=float)
-    return isl, osl, cached_tokens(isl.astype(int).tolist(), [r["hash_ids"] for r in rows], cache_blocks)
-
-
-def _warm_bodies(rows: list[dict], cache_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Like _bodies, but each request's prefix hit is taken from a second replay of the trace behind
-    the first (a warm cache), so no request carries the recording's cold start."""
-    isl, osl, cached = _bodies(rows + rows, cache_blocks)
-    n = len(rows)
-    return isl[n:], osl[n:], cached[n:]
-
-
-def daily_load(rows: list[dict], minutes: float, peak: float, trough: float, seed: int, cache_blocks: int) -> Requests:
-    rng = np.random.default_rng(seed)
-    T = minutes * 60.0
-    bursts = sorted(rng.uniform(0.1 * T, 0.9 * T, size=3))
-
-    def rate(t: np.ndarray) -> np.ndarray:
-        r = trough + (peak - trough) * (1 - np.cos(2 * np.pi * t / T)) / 2
-        for b in bursts:
-            r = np.where((t >= b) & (t < b + 180.0), r * 1.6, r)
-        return r
-
-    top = peak * 1.6
-    t, out = 0.0, []
-    while t < T:  # thinning of a Poisson process at rate `top`
-        t += rng.exponential(1.0 / top)
-        if t < T and rng.uniform() < rate(np.array([t]))[0] / top:
-            out.append(t)
-    isl, osl, cached = _warm_bodies(rows, cache_blocks)
-    pick = rng.integers(0, len(rows), size=len(out))  # bodies drawn at random: no lap of the trace repeats
-    return Requests(np.array(out), isl[pick], osl[pick], cached[pick])
-
-
-def mooncake_load(rows: list[dict], speed: float, cache_blocks: int) -> Requests:
-    t = np.array([r["timestamp"] for r in rows], dtype=float) / 1000.0 / speed
-    isl, osl, cached = _bodies(rows, cache_blocks)
-    order = np.argsort(t, kind="stable")
-    return Requests(t[order], isl[order], osl[order], cached[order])
-
-
-async def run_policy(name: str, reqs: Requests, perf, args, schedule: list[tuple[int, int]] | None = None,
-                     start: tuple[int, int] = (1, 1)) -> dict:
-    cfg = SimConfig(slice_s=args.slice, startup_s=args.startup)
-    sim = DisaggSim(perf, reqs, cfg, *start)
-    end = float(reqs.t[-1]) + 1.0
-    minutes = int(math.ceil(end / 60.0))
-    per_min = int(round(60.0 / cfg.slice_s))
-    policy = None
-    if name.startswith("planner"):
-        pcfg = PlannerConfig(predictor=args.predictor, interval_s=args.interval, window_s=args.window, lookahead_s=args.startup,
-                             scale_down_cooldown_s=args.cooldown, scale_down_window_s=args.down_window, stale_after_s=30, max_step=args.max_step,
-                             demand_z=args.demand_z, max_headroom=args.max_headroom, mode=args.mode, peak_window=args.peak_window,
-                             net_of_sampling_noise=args.net_headroom, hybrid_prefill_queue=args.hybrid_prefill_queue)
-        if ":" in name:  # a variant: the same run with some planner settings changed
-            pcfg = pcfg.model_copy(update=VARIANTS[name.split(":", 1)[1]])
-        targets = {"pools": [{"model": "llama-3.1-8b", "role": role, "ttft_p90_ms": args.ttft, "itl_p90_ms": args.itl,
-                              "min_replicas": 1, "max_replicas": args.pmax} for role in ("prefill", "decode")]}
-        policy = PlannerPolicy(sim, perf, pcfg, targets)
-        await policy.setup()
-    elif name == "keda":
-        policy = KedaPolicy(sim, max_replicas=args.pmax)
-        sim.events = None
-    else:
-        sim.events = None
-    chosen, t0 = [], time.perf_counter()
-    for m in range(minutes):
-        if name == "oracle-search":
-            p, d = oracle_minute(sim, per_min, args.ttft, args.itl, args.pmax, args.dmax, sim.replicas())
-            sim.scale(p, d, startup_s=0.0)
-        elif name == "oracle" and schedule:
-            # pass 2: keep a replica through a dip no longer than its start-up (as cheap as restarting it)
-            ahead = max(1, int(math.ceil(args.startup / 60.0)))
-            p = max(s[0] for s in schedule[m: m + ahead + 1])
-            d = max(s[1] for s in schedule[m: m + ahead + 1])
-            before = sim.replicas()
-            sim.scale(p, d, startup_s=0.0)
-            sim.gpu_s += args.startup * (max(0, p - before[0]) + max(0, d - before[1]))  # started early, billed
-        elif name.startswith("late-oracle") and schedule:
-            # the oracle's own counts one minute late, times a headroom: a generous reference for reacting
-            h = float(name.split(":", 1)[1]) if ":" in name else 1.0
-            prev = schedule[max(0, m - 1)]
-            p, d = (min(cap, math.ceil(h * n - 1e-9)) for n, cap in zip(prev, (args.pmax, args.dmax)))
-            before = sim.replicas()
-            sim.scale(p, d, startup_s=0.0)
-            sim.gpu_s += args.startup * (max(0, p - before[0]) + max(0, d - before[1]))  # ready at once, start-up billed
-        elif name == "static" and schedule:
-            sim.scale(*schedule[0], startup_s=0.0)
-        for _ in range(per_min):
-            if policy is not None:
-                await policy.before_step()
-            sim.step()
-        chosen.append(sim.replicas())
+def sla_minutes(reqs: list[tuple[float, float, float, int]], end_s: float, ttft_ms: float, itl_ms: float) -> list[dict]:
+    """reqs: (first token s, TTFT ms, mean ITL ms, output tokens). Per minute of first tokens up to end_s (the last
+    arrival; later first tokens count in the last minute): TTFT p90, token-weighted p90 of the mean ITLs, within the SLA
+    or not (a minute with no request is within it)."""
+    n = max(1, int(math.ceil(end_s / 60.0 - 1e-9)))
+    by: list[list] = [[] for _ in range(n)]
+    for first, ttft, itl, toks in reqs:
+        by[min(int(first // 60.0), n - 1)].append((ttft, itl, toks))
     rows = []
-    for m in range(minutes):
-        ok, t90, i90 = sim.minute_ok(m, args.ttft, args.itl)
-        rows.append({"minute": m, "ok": ok, "ttft_p90_ms": t90, "itl_p90_ms": i90, "prefill": chosen[m][0], "decode": chosen[m][1]})
-    met = sum(r["ok"] for r in rows)
-    out = {"policy": name, "minutes": minutes, "minutes_met": met, "attainment": met / minutes, "gpu_seconds": sim.gpu_s,
-           "requests": len(reqs), "wall_s": round(time.perf_counter() - t0, 1), "per_minute": rows}
-    if name.startswith("planner"):
-        out["planner_config"] = pcfg.model_dump(exclude={"load", "profiles"})
-        out["decisions"] = [d for d in await policy.store.recent_decisions(1000) if any(p["changed"] for p in d["pools"])][::-1][:400]
+    for m, rs in enumerate(by):
+        t90 = float(np.percentile([r[0] for r in rs], 90)) if rs else None
+        w = [(r[1], r[2] - 1) for r in rs if r[1] is not None and r[2] > 1]
+        i90 = None
+        if w:
+            w.sort()
+            cum = np.cumsum([x[1] for x in w])
+            i90 = w[int(np.searchsorted(cum, 0.9 * cum[-1]))][0]
+        ok = (t90 is None or t90 <= ttft_ms) and (i90 is None or i90 <= itl_ms)
+        rows.append({"minute": m, "requests": len(rs), "ttft_p90_ms": None if t90 is None else round(t90, 1),
+                     "itl_p90_ms": None if i90 is None else round(i90, 3), "ok": ok})
+    return rows
+
+
+def kvyard_reqs(r: Replay) -> list[tuple]:
+    return [(x.first, x.ttft * 1000.0, None if x.tpot is None else x.tpot * 1000.0, x.tokens) for x in r.records if x.first is not None]
+
+
+def dynamo_reqs(d: dict) -> list[tuple]:
+    return [(p["first_token_ms"] / 1000.0, p["ttft_ms"], p["itl_ms"], p["output_length"]) for p in d["per_request"]
+            if p.get("first_token_ms") is not None]
+
+
+# ---------------------------------------------------------------- runs
+
+class Bench:
+    def __init__(self, args, tmp: Path) -> None:
+        self.args = args
+        self.npz = convert_profile(tmp)
+        self.engine = EngineSpec(profile=str(self.npz), block_size=64, num_gpu_blocks=16384)
+        self.dyn_engine = {**mocker_engine(self.npz, 64, 16384), "startup_time": args.startup}
+        self.standins = dynamo_standins(tmp / "standins")
+        self.end_s = 60.0  # the load's last arrival: every policy is judged over the same minutes (set per load)
+
+    def cfg(self, workers: int, planner: dict | None = None) -> ReplayConfig:
+        a = self.args
+        return ReplayConfig(workers=workers, engine=self.engine, frontend=FrontendConfig(router={"policy": "kv"}), startup_s=a.startup,
+                            slo_ttft_p90_ms=a.ttft, slo_itl_p90_ms=a.itl, planner=planner, model=MODEL)
+
+    def summarize(self, name: str, r: Replay, reqs: list[tuple], gpu_s: float, fleet: list, t0: float, extra: dict | None = None) -> dict:
+        mins = sla_minutes(reqs, self.end_s, self.args.ttft, self.args.itl)
+        met = sum(m["ok"] for m in mins)
+        out = {"policy": name, "minutes": len(mins), "minutes_met": met, "attainment": met / len(mins), "gpu_seconds": round(gpu_s, 1),
+               "wall_s": round(time.perf_counter() - t0, 1), "per_minute": mins, "fleet": fleet}
+        return {**out, **(extra or {})}
+
+    def static(self, wl, n: int) -> tuple[Replay, list[dict]]:
+        r = Replay(self.cfg(n), wl).run()
+        return r, sla_minutes(kvyard_reqs(r), self.end_s, self.args.ttft, self.args.itl)
+
+    def oracle(self, wl, need: list[int]) -> dict:
+        t0 = time.perf_counter()
+        ahead = max(1, int(math.ceil(self.args.startup / 60.0)))
+        plan = [max(need[m: m + ahead + 1]) for m in range(len(need))]
+        r = Replay(self.cfg(plan[0]), wl)
+        for m, n in enumerate(plan[1:], 1):  # ready on time: started start-up seconds early, and billed for it
+            r.clock.at(60.0 * m, lambda n=n: r.scale("both", n, startup_s=0.0, billed_before_s=self.args.startup), priority=1)
+        r.run()
+        return self.summarize("oracle", r, kvyard_reqs(r), r.gpu_seconds(), [[t, n] for t, _, n in r.fleet_log], t0,
+                              {"need": need, "schedule": plan})
+
+    def kvyard(self, wl, start: int, cap: int) -> dict:
+        a, t0 = self.args, time.perf_counter()
+        doc = {"planner": {"interval_s": a.interval, "lookahead_s": a.startup, "scale_down_cooldown_s": a.cooldown,
+                           "scale_down_window_s": a.down_window, "max_step": a.max_step, "stale_after_s": 30},
+               "targets": {"pools": [{"model": MODEL, "role": "both", "ttft_p90_ms": a.ttft, "itl_p90_ms": a.itl,
+                                      "min_replicas": 1, "max_replicas": cap}]}}
+        r = Replay(self.cfg(start, doc), wl)
+        driver = PlannerDriver(r, doc)
+        r.run()
+        return self.summarize("kvyard planner", r, kvyard_reqs(r), r.gpu_seconds(), [[t, n] for t, _, n in r.fleet_log], t0,
+                              {"planner_config": driver.cfg.model_dump(exclude={"load", "profiles"}), "decisions": driver.decisions[:300]})
+
+    def dynamo(self, path: Path, start: int, cap: int, target: str = "throughput") -> dict:
+        a, t0 = self.args, time.perf_counter()
+        pc = {"mode": "agg", "backend": "mocker", "environment": "virtual", "min_endpoint": 1, "max_gpu_budget": cap,
+              "ttft_ms": a.ttft, "itl_ms": a.itl, "optimization_target": target}
+        d = dynamo_run(path, start, "kv_router", self.dyn_engine, per_request=True, planner_config=pc, standins=self.standins)
+        reqs = dynamo_reqs(d)
+        ev = d["planner"]["scaling_events"]
+        fleet, n = [[0.0, start]], start
+        for e in ev:
+            fleet.append([e["at_s"], e["to"]])
+        s = d["summary"]
+        gpu = float(s.get("decode_worker_seconds") or 0.0) + float(s.get("prefill_worker_seconds") or 0.0)
+        mins = sla_minutes(reqs, self.end_s, a.ttft, a.itl)
+        met = sum(m["ok"] for m in mins)
+        return {"policy": "dynamo planner" + ("" if target == "throughput" else f" ({target})"), "minutes": len(mins), "minutes_met": met, "attainment": met / len(mins),
+                "gpu_seconds": round(gpu, 1), "wall_s": round(time.perf_counter() - t0, 1), "per_minute": mins, "fleet": fleet,
+                "planner_config": pc, "dynamo_ticks": d["planner"]["total_ticks"], "completed": s["completed_requests"]}
+
+
+def run_load(b: Bench, name: str, path: Path) -> dict:
+    a = b.args
+    wl = load_mooncake(path)
+    b.end_s = wl.duration
+    print(f"[{name}] {len(wl)} requests over {wl.duration / 60:.1f} min ({len(wl) / wl.duration:.1f} req/s)", flush=True)
+    t0 = time.perf_counter()
+    sweep: dict[int, list[bool]] = {}
+    n = 1
+    while n <= a.max_workers:  # fixed fleets 1, 2, ... until one meets every minute
+        r, mins = b.static(wl, n)
+        sweep[n] = [m["ok"] for m in mins]
+        met = sum(sweep[n])
+        print(f"[{name}] static {n}: {met}/{len(mins)} minutes, {r.gpu_seconds():,.0f} GPU-s ({r.wall_s:.0f} s)", flush=True)
+        if met == len(mins):
+            static_run = b.summarize("static at peak", r, kvyard_reqs(r), r.gpu_seconds(), [[0.0, n]], t0, {"workers": n})
+            break
+        n += 1
+    else:
+        raise SystemExit(f"{name}: no fixed fleet up to {a.max_workers} meets every minute; raise --max-workers")
+    peak = n
+    minutes = len(sweep[peak])
+    need = [next((k for k in sorted(sweep) if k <= peak and len(sweep[k]) > m and sweep[k][m]), peak) for m in range(minutes)]
+    results = {"static at peak": static_run}
+    results["oracle"] = b.oracle(wl, need)
+    cap = 2 * peak
+    results["kvyard planner"] = b.kvyard(wl, need[0], cap)
+    results["dynamo planner"] = b.dynamo(path, need[0], cap)
+    for target in filter(None, a.dynamo_variants.split(",")):
+        results[f"dynamo planner ({target})"] = b.dynamo(path, need[0], cap, target)
+    for k, res in results.items():
+        print(f"[{name}] {k:15s} {res['minutes_met']}/{res['minutes']} minutes, {res['gpu_seconds']:,.0f} GPU-s", flush=True)
+    return {"requests": len(wl), "duration_min": round(wl.duration / 60, 1), "static_sweep": {str(k): v for k, v in sweep.items()},
+            "policies": results}
+
+
+def loads(args, tmp: Path) -> dict[str, Path]:
+    out = {}
+    for name in filter(None, args.loads.split(",")):
+        if name == "mooncake":
+            wl = load_mooncake(TRACE, time_scale=args.mooncake_scale)
+        elif name == "daily":
+            wl = synthetic(f"daily:minutes={args.daily_minutes},peak={args.daily_peak},trough={args.daily_trough},bodies={TRACE}",
+                           seed=args.seed)
+        elif name == "walk":
+            wl = synthetic(f"walk:minutes={args.walk_minutes},start={args.walk_start},lo={args.walk_lo},hi={args.walk_hi},"
+                           f"step_s=120,sigma=0.25,spikes=2,spike_factor=2,bodies={TRACE}", seed=args.seed)
+        else:
+            raise SystemExit(f"unknown load {name!r}")
+        out[name] = wl.write_mooncake(tmp / f"{name}.jsonl")
     return out
 
 
-def plot(workload: str, results: dict[str, dict], args, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(4, 1, figsize=(11, 11), sharex=True)
-    for name, res in results.items():
-        if ":" in name:  # variants are in the JSON and the report, not the plot
-            continue
-        mins = [r["minute"] for r in res["per_minute"]]
-        axes[0].step(mins, [r["prefill"] for r in res["per_minute"]], where="post", label=name)
-        axes[1].step(mins, [r["decode"] for r in res["per_minute"]], where="post", label=name)
-        axes[2].plot(mins, [r["ttft_p90_ms"] or np.nan for r in res["per_minute"]], label=name, lw=1)
-        axes[3].plot(mins, [r["itl_p90_ms"] or np.nan for r in res["per_minute"]], label=name, lw=1)
-    axes[2].axhline(args.ttft, color="k", ls="--", lw=0.8)
-    axes[3].axhline(args.itl, color="k", ls="--", lw=0.8)
-    axes[2].set_yscale("log")
-    for ax, lab in zip(axes, ["prefill replicas", "decode replicas", "TTFT p90 (ms)", "ITL p90 (ms)"]):
-        ax.set_ylabel(lab)
-        ax.grid(alpha=0.3)
-    axes[0].legend(ncol=4, fontsize=8)
-    axes[-1].set_xlabel("minute")
-    summary = ", ".join(f"{n}: {r['attainment']:.1%} / {r['gpu_seconds'] / 3600:.1f} GPU-h" for n, r in results.items() if ":" not in n)
-    fig.suptitle(f"planner benchmark — {workload}\n{summary}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-async def bench(workload: str, rows: list[dict], perf, args) -> dict:
-    cache_blocks = args.cache_blocks
-    reqs = daily_load(rows, args.minutes, args.peak, args.trough, args.seed, cache_blocks) if workload == "daily" \
-        else mooncake_load(rows, args.mooncake_speed, cache_blocks)
-    print(f"[{workload}] {len(reqs)} requests over {reqs.t[-1] / 60:.1f} min, mean {len(reqs) / reqs.t[-1]:.1f} req/s, "
-          f"prefix hit {reqs.cached.sum() / reqs.isl.sum():.1%}", flush=True)
-    results: dict[str, dict] = {}
-    if args.only:
-        for name in args.only.split(","):
-            start = tuple(args.start) if args.start else (1, 1)
-            results[name] = r = await run_policy(name, reqs, perf, args, start=start)
-            print(f"[{workload}] {name:8s} attainment {r['attainment']:6.1%} ({r['minutes_met']}/{r['minutes']} min)  "
-                  f"GPU-s {r['gpu_seconds']:9.0f}  ({r['wall_s']} s)", flush=True)
-        return {"requests": len(reqs), "policies": results}
-    need = await run_policy("oracle-search", reqs, perf, args)  # pass 1: the smallest counts, minute by minute
-    schedule = [(r["prefill"], r["decode"]) for r in need["per_minute"]]
-    results["oracle"] = await run_policy("oracle", reqs, perf, args, schedule=schedule, start=schedule[0])
-    results["oracle"]["search_wall_s"] = need["wall_s"]
-    results["oracle"]["need"] = schedule  # pass 1's counts per minute (before the keep-through-a-dip pass)
-    first = (results["oracle"]["per_minute"][0]["prefill"], results["oracle"]["per_minute"][0]["decode"])
-    peak = (max(r["prefill"] for r in results["oracle"]["per_minute"]), max(r["decode"] for r in results["oracle"]["per_minute"]))
-    results["static"] = await run_policy("static", reqs, perf, args, schedule=[peak], start=peak)
-    for h in filter(None, args.late_oracle.split(",")):
-        results[f"late-oracle:{float(h):g}"] = await run_policy(f"late-oracle:{float(h):g}", reqs, perf, args,
-                                                               schedule=schedule, start=schedule[0])
-    results["keda"] = await run_policy("keda", reqs, perf, args, start=first)
-    results["planner"] = await run_policy("planner", reqs, perf, args, start=first)
-    for v in filter(None, args.variants.split(",")):
-        results[f"planner:{v}"] = await run_policy(f"planner:{v}", reqs, perf, args, start=first)
-    oracle_gpu = results["oracle"]["gpu_seconds"]
-    for name, r in results.items():
-        r["gpu_vs_oracle"] = r["gpu_seconds"] / oracle_gpu
-        print(f"[{workload}] {name:8s} attainment {r['attainment']:6.1%} ({r['minutes_met']}/{r['minutes']} min)  "
-              f"GPU-s {r['gpu_seconds']:9.0f}  ×oracle {r['gpu_vs_oracle']:.3f}  ({r['wall_s']} s)", flush=True)
-    plot(workload, results, args, Path(args.out) / f"planner_sim_{workload}.png")
-    return {"requests": len(reqs), "duration_min": float(reqs.t[-1] / 60), "static_peak": peak, "policies": results}
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", default="all", choices=["daily", "mooncake", "all"])
-    ap.add_argument("--minutes", type=float, default=240.0, help="daily: length of the compressed day")
-    ap.add_argument("--peak", type=float, default=40.0, help="daily: req/s at the top of the curve (bursts ×1.6)")
-    ap.add_argument("--trough", type=float, default=8.0)
-    ap.add_argument("--mooncake-speed", type=float, default=5.0)
-    ap.add_argument("--profile", default="h200-llama3.1-8b")
-    ap.add_argument("--ttft", type=float, default=1000.0, help="TTFT p90 target, ms")
-    ap.add_argument("--itl", type=float, default=25.0, help="ITL p90 target, ms")
-    ap.add_argument("--startup", type=float, default=60.0, help="replica start-up time, s")
-    ap.add_argument("--slice", type=float, default=0.25)
-    ap.add_argument("--interval", type=float, default=15.0, help="planner tick, s")
-    ap.add_argument("--window", type=float, default=None, help="planner telemetry window, s (default: the tick)")
-    ap.add_argument("--cooldown", type=float, default=60.0, help="planner scale-down cooldown, s")
-    ap.add_argument("--down-window", type=float, default=120.0, help="planner scale-down stabilization window, s")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--loads", default="mooncake,daily,walk")
+    ap.add_argument("--mooncake-scale", type=float, default=4.0)
+    ap.add_argument("--daily-minutes", type=float, default=40.0)
+    ap.add_argument("--daily-peak", type=float, default=12.0)
+    ap.add_argument("--daily-trough", type=float, default=3.0)
+    ap.add_argument("--walk-minutes", type=float, default=40.0)
+    ap.add_argument("--walk-start", type=float, default=6.0)
+    ap.add_argument("--walk-lo", type=float, default=2.0)
+    ap.add_argument("--walk-hi", type=float, default=12.0)
+    ap.add_argument("--ttft", type=float, default=1500.0, help="TTFT p90 target per minute, ms")
+    ap.add_argument("--itl", type=float, default=25.0, help="ITL p90 target per minute, ms")
+    ap.add_argument("--startup", type=float, default=60.0, help="worker start-up, s")
+    ap.add_argument("--interval", type=float, default=15.0, help="kvyard planner tick, s")
+    ap.add_argument("--cooldown", type=float, default=60.0)
+    ap.add_argument("--down-window", type=float, default=120.0)
     ap.add_argument("--max-step", type=int, default=8)
-    ap.add_argument("--predictor", default="peak_trend", choices=list(PREDICTORS))
-    ap.add_argument("--peak-window", type=int, default=2, help="peak_trend: ticks whose highest rate floors the forecast")
-    ap.add_argument("--hybrid-prefill-queue", action="store_true", help="hybrid: a prefill queue adds load corrections "
-                                                                        "(before: yes; now only TTFT p90 over target does)")
-    ap.add_argument("--net-headroom", action="store_true", help="headroom from the forecast error net of sampling noise")
-    ap.add_argument("--mode", default="hybrid", choices=["sla", "load", "hybrid"])
-    ap.add_argument("--demand-z", type=float, default=1.28)
-    ap.add_argument("--max-headroom", type=float, default=1.5)
-    ap.add_argument("--cache-blocks", type=int, default=8 * 1845, help="prefix-cache LRU, 512-token blocks")
-    ap.add_argument("--pmax", type=int, default=32)
-    ap.add_argument("--dmax", type=int, default=32)
+    ap.add_argument("--max-workers", type=int, default=40)
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--variants", default="before,kalman,peak_trend+prefill_queue", help=f"comma-separated planner variants run beside it: {', '.join(VARIANTS)}")
-    ap.add_argument("--late-oracle", default="1,1.15,1.3,1.6",
-                    help="headrooms h: also run the oracle's per-minute counts one minute late × h (ready at once, "
-                         "start-up billed): a generous reference for a planner that only reacts; empty to skip")
-    ap.add_argument("--only", default="", help="comma-separated policies to run alone (tuning; no oracle, no plot)")
-    ap.add_argument("--start", type=int, nargs=2, default=None, help="with --only: initial prefill decode replicas")
+    ap.add_argument("--dynamo-variants", default="latency", help="Dynamo optimization targets run beside its default (throughput)")
+    ap.add_argument("--add-dynamo-variants", action="store_true",
+                    help="only run --dynamo-variants on the loads of an existing results/<out>.json (same seeds and starts) and merge")
+    ap.add_argument("--out", default="planner_sim")
     args = ap.parse_args(argv)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    perf = load_perf_model(args.profile)
-    rows = load_trace()
-    workloads = ["daily", "mooncake"] if args.workload == "all" else [args.workload]
-    report = {"config": vars(args), "workloads": {}}
-    for w in workloads:
-        report["workloads"][w] = asyncio.run(bench(w, rows, perf, args))
-    path = Path(args.out) / ("planner_sim.json" if args.workload == "all" else f"planner_sim_{args.workload}.json")
-    path.write_text(json.dumps(report, indent=1, default=str))
-    print(f"wrote {path}")
+    tmp = Path(tempfile.mkdtemp(prefix="kvyard-planner-bench-"))
+    b = Bench(args, tmp)
+    if args.add_dynamo_variants:
+        return add_variants(b, args, tmp)
+    report = {"machine": machine(), "command": "python -m benchmarks planner " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "config": vars(args), "loads": {}}
+    for name, path in loads(args, tmp).items():
+        report["loads"][name] = run_load(b, name, path)
+        write(report, args)
     return 0
+
+
+def add_variants(b: Bench, args, tmp: Path) -> int:
+    """Dynamo planner variants run after the fact on the same loads, starts and caps, merged into the report."""
+    path = RESULTS / f"{args.out}.json"
+    report = json.loads(path.read_text())
+    files = loads(argparse.Namespace(**{**report["config"], "loads": ",".join(report["loads"])}), tmp)
+    for name, d in report["loads"].items():
+        wl = load_mooncake(files[name])
+        b.end_s = wl.duration
+        start = d["policies"]["oracle"]["schedule"][0]
+        cap = 2 * d["policies"]["static at peak"]["workers"]
+        for target in filter(None, args.dynamo_variants.split(",")):
+            r = b.dynamo(files[name], start, cap, target)
+            d["policies"][r["policy"]] = r
+            print(f"[{name}] {r['policy']}: {r['minutes_met']}/{r['minutes']} minutes, {r['gpu_seconds']:,.0f} GPU-s", flush=True)
+    report["command_variants"] = "python -m benchmarks planner --add-dynamo-variants --dynamo-variants " + args.dynamo_variants
+    write(report, argparse.Namespace(**report["config"]))
+    return 0
+
+
+def write(report: dict, args) -> None:
+    from benchmarks.planner_report import write_report
+
+    write_report(report, args, RESULTS)
 
 
 if __name__ == "__main__":

@@ -33,18 +33,15 @@ from orchestrator.security import (
     is_loopback,
     register_secret,
 )
+from orchestrator.routing import build_router
 from orchestrator.security.origin import HostOriginGuard, default_allowed_hosts
 from orchestrator.service import InferenceService
-from orchestrator.sessions import build_affinity
 from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_store
-from router import Router, build_policy
 from router.events import KvEventIngestor
-from router.load import LoadTracker
-from router.plugins import AdapterAffinity
 from workers.discovery import Discovery, InMemoryDiscovery, RedisDiscovery
 from workers.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
 
-__all__ = ["create_app", "make_discovery", "make_guards", "make_stages"]
+__all__ = ["create_app", "make_discovery", "make_guards"]
 
 log = logging.getLogger("kvyard.frontend")
 
@@ -79,24 +76,16 @@ def make_guards(cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> 
     return InferenceGuard(keys, limiter, metrics=metrics), admin
 
 
-def make_stages(cfg: FrontendConfig) -> list:
-    """The router's stages, in order: LoRA adapter holders first, then the session's worker (router/interfaces.py)."""
-    stages: list = [AdapterAffinity(cfg.lora.max_load_gap)] if cfg.lora.adapters else []
-    affinity = build_affinity(cfg.affinity)
-    return stages + ([affinity] if affinity is not None else [])
-
-
 def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastAPI:
     discovery = discovery or make_discovery(cfg)
     metrics = FrontendMetrics()
-    rcfg = cfg.router
-    router = Router(build_policy(rcfg.policy, **rcfg.policy_params()), LoadTracker(drain=rcfg.kv.prefill_drain), stages=make_stages(cfg))
+    router = build_router(cfg)  # orchestrator/routing.py: also what `kvyard replay` routes with
     ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor,
                       scrape_timeout_s=cfg.scrape_timeout_s, liveness_failures=cfg.liveness_failures)
     service = InferenceService(cfg, pool, router, metrics)
     # disaggregated prefill/decode for models with prefill or decode workers (orchestrator/disagg)
-    service.disagg = DisaggCoordinator(cfg.disagg, pool, router, metrics, service.client, sender=service, kv=rcfg.kv)
+    service.disagg = DisaggCoordinator(cfg.disagg, pool, router, metrics, service.client, sender=service, kv=cfg.router.kv)
     telemetry_store = make_telemetry_store(cfg.redis_url, cfg.discovery_prefix)
     targets = RedisTargetsStore(cfg.redis_url, cfg.discovery_prefix) if cfg.redis_url else InMemoryTargetsStore()
     if cfg.telemetry.enabled:

@@ -6,6 +6,7 @@
     kvyard planner   scale worker pools against the targets stored in Redis
     kvyard keys      create | list | revoke | set-limits inference API keys
     kvyard config    reference (every setting, as docs/configuration.md) | show (the effective config)
+    kvyard replay    a trace through the router, sim engines and planner on a virtual clock (docs/replay.md)
 
 Each command's config is built from the models' defaults, then `--config FILE`, then the environment, then flags,
 then `--set PATH=VALUE` (any setting, e.g. --set frontend.router.kv.overlap_weight=8).
@@ -26,6 +27,7 @@ from orchestrator.config import ClusterConfig, ConfigFileError, Flag, FrontendCo
 from orchestrator.config.loading import add_flags, apply_flags, apply_sets, reference_markdown
 from orchestrator.keys_cmd import add_keys_parser, run_keys_command
 from orchestrator.planner_cmd import add_planner_parser, run_planner_command
+from orchestrator.replay.cli import add_replay_parser, run_replay_command
 from router import policy_names
 from workers.registry import backend_names
 from workers.types import WorkerRole
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_planner_parser(sub)
     add_keys_parser(sub)
+    add_replay_parser(sub)
     cf = sub.add_parser("config", help="print the settings reference, or the effective config of a command")
     cf.add_argument("what", choices=["reference", "show"])
     cf.add_argument("target", nargs="?", default="up", choices=["up", "worker", "frontend"],
@@ -238,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_keys_command(ns)
         if ns.command == "config":
             return _config_command(ns)
+        if ns.command == "replay":  # a virtual clock: no event loop
+            return run_replay_command(ns)
         if ns.command == "planner":
             return _event_loop_runner()(run_planner_command(ns))
         from orchestrator.commands import run_frontend, run_up, run_worker

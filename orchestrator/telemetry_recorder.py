@@ -52,11 +52,12 @@ class FrontendTelemetry:
 
     def __init__(self, store: TelemetryStore,
                  workers: Callable[[], Iterable[tuple[WorkerInfo, EngineMetrics | None]]] | None = None,
-                 interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.workers = workers
         self.clock = clock
-        self.aggregator = TelemetryAggregator(store.schema)
+        self.aggregator = TelemetryAggregator(store.schema, clock=wall_clock)  # bucket times: epoch seconds (replay: virtual)
         self.flusher = TelemetryFlusher(self.aggregator, store, interval_s, workers)
         self._roles: dict[str, frozenset[str]] = {}
         self._roles_at = -float("inf")

@@ -60,8 +60,8 @@ class PlannerConfig(BaseModel):
     # hybrid: does a prefill pool's queue add load corrections? False: only its TTFT p90 over target does —
     # the SLA count plans for queueing up to the TTFT target, so a queue alone is no sign of under-sizing
     hybrid_prefill_queue: bool = False
-    # headroom from the forecast error less the window's own sampling noise: measured worse (more missed minutes at
-    # the same GPU-seconds, benchmarks/results/planner_sim.md), so off; the noise is a real error of the rate estimate
+    # headroom from the forecast error less the window's own sampling noise: off, because the noise is a real error of
+    # the rate estimate (it measured worse: more missed minutes at the same GPU-seconds)
     net_of_sampling_noise: bool = False
     max_headroom: float = Field(1.5, ge=1)  # cap on that safety factor
     load: LoadThresholds = Field(default_factory=LoadThresholds)

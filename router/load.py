@@ -5,7 +5,8 @@ not already cached there: prompt_tokens - cached_tokens) and its active blocks (
 blocks, cached or not: they are all read while it decodes);
 the first token removes its prefill tokens; completion (success, error or cancel) removes the rest.
 Requests never completed expire after `ttl_s` (default 300 s, as Dynamo) so a lost callback cannot
-leave a worker looking busy forever. Pure and synchronous; the caller supplies the clock.
+leave a worker looking busy forever. Pure and synchronous; the caller supplies the clock (`clock`, default
+time.monotonic; the replay passes its virtual one, orchestrator/replay/).
 
 Prefill drain (`drain=True`): booked prefill is the work a worker had when the request came, not what it
 has now. A worker 3 s into a 4 s prompt is almost free, yet until that first token it looks as loaded
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from router.config import KV_DEFAULTS
@@ -68,9 +69,11 @@ ADVANCE_EVERY_S = 0.002
 
 
 class LoadTracker:
-    def __init__(self, ttl_s: float = 300.0, drain: bool = KV_DEFAULTS.prefill_drain) -> None:
+    def __init__(self, ttl_s: float = 300.0, drain: bool = KV_DEFAULTS.prefill_drain,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.drain = drain
+        self.clock = clock
         self._active: dict[str, _Active] = {}
         self._loads: dict[str, EndpointLoad] = {}
         self._drains: dict[str, _Drain] = {}
@@ -97,7 +100,7 @@ class LoadTracker:
             self.on_complete(request_id)
         blocks = -(-prompt_tokens // max(block_size, 1))
         prefill = max(0, prompt_tokens - cached_tokens)
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         act = self._active[request_id] = _Active(worker_id, prefill, blocks, now, float(prefill))
         ld = self.load(worker_id)
         ld.inflight_requests += 1
@@ -118,7 +121,7 @@ class LoadTracker:
         if act is None or act.prefill_tokens == 0:
             return
         if self.drain:
-            self._departed(act, time.monotonic() if now is None else now)
+            self._departed(act, self.clock() if now is None else now)
             return
         self.load(act.worker_id).prefill_tokens -= act.prefill_tokens
         act.prefill_tokens = 0
@@ -148,7 +151,7 @@ class LoadTracker:
         """Drain every worker's FCFS prefill queue by what its measured rate served since the last call."""
         if not self.drain:
             return
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         if now - self._advanced < ADVANCE_EVERY_S:  # the router calls this per decision: at most every 2 ms
             return
         self._advanced = now
@@ -210,7 +213,7 @@ class LoadTracker:
 
     def expire(self, now: float | None = None) -> int:
         """Drop requests older than ttl_s; returns how many were dropped."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         stale = [rid for rid, a in self._active.items() if now - a.started > self.ttl_s]
         for rid in stale:
             self.on_complete(rid)

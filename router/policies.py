@@ -7,8 +7,9 @@
     kv                 kv cost (1.0)        max-score, or softmax(T > 0)   KvIndex
 
 kv parameters: overlap_weight, reuse_weight, request_weight, temperature, pending_ttl_s (defaults: router/config.py, the
-served defaults), index (a KvIndex to share, e.g. with the event ingestor; a new one by default), seed (picker RNG, for
-tests). Factories are the single table of names.
+served defaults), index (a KvIndex to share, e.g. with the event ingestor; a new one by default), seed. Every
+policy takes `seed` (its picker's random tie-breaks or order; round-robin has none), so a replay can be repeated
+exactly. Factories are the single table of names.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ def _kv(overlap_weight: float = KV_DEFAULTS.overlap_weight, temperature: float =
 
 
 _FACTORIES: dict[str, Callable[..., Policy]] = {
-    "round-robin": lambda: Policy("round-robin", RoundRobinPicker()),
-    "random": lambda: Policy("random", RandomPicker()),
-    "least-loaded": lambda: Policy("least-loaded", MaxScorePicker(), [(LoadScorer(), 1.0)]),
+    "round-robin": lambda seed=None: Policy("round-robin", RoundRobinPicker()),
+    "random": lambda seed=None: Policy("random", RandomPicker(seed)),
+    "least-loaded": lambda seed=None: Policy("least-loaded", MaxScorePicker(seed), [(LoadScorer(), 1.0)]),
     "kv": _kv,
 }
 

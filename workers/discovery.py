@@ -198,6 +198,8 @@ class RedisDiscovery:
             raise EntryRejected(f"invalid {where}: {err.get('msg', exc)}") from None
         if info.worker_id != worker_id:
             raise EntryRejected(f"stored under worker id {worker_id!r} but names {info.worker_id!r}")
+        if not info.url.startswith(("http://", "https://")):
+            raise EntryRejected(f"invalid url: an engine in the registry is reached over http(s), not {info.url[:100]!r}")
         return info
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:

@@ -59,9 +59,11 @@ class WorkerInfo(BaseModel):
 
     @field_validator("url")
     @classmethod
-    def _http_url(cls, v: str) -> str:
+    def _engine_url(cls, v: str) -> str:
+        # scheme://host[:port][/path]; the registry (workers/discovery.py) takes only http(s) ones, kvyard replay's
+        # in-process engines are sim://<id>
         u = urlsplit(v)
-        if u.scheme not in ("http", "https") or not u.hostname or u.username or u.password or u.query or u.fragment:
+        if not u.scheme or not u.hostname or u.username or u.password or u.query or u.fragment:
             raise ValueError("url must be http(s)://host[:port][/path], without credentials, query or fragment")
         u.port  # noqa: B018  (raises ValueError for a port out of range)
         return v

@@ -53,7 +53,8 @@ from orchestrator.disagg.decision import DisaggDecision, decide
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
 from orchestrator.errors import ServiceUnavailableError
 from orchestrator.metrics import FrontendMetrics
-from router import Endpoint, NoEndpointsError, RouteRequest, Router, RoutingDecision, build_policy
+from orchestrator.routing import build_phase_routers
+from router import Endpoint, NoEndpointsError, RouteRequest, Router, RoutingDecision
 from router.config import KvPolicyConfig
 from workers.sglang import handoff as sglang_handoff
 from workers.trtllm import handoff as trtllm_handoff
@@ -169,15 +170,8 @@ class DisaggCoordinator:
         self.sender = sender
         self.router = router
         # Both share the service router's prefix index (fed by the KV-event ingestor); decode also shares
-        # its load book, which the service closes (first token, completion) on every path. Decode weighs load
-        # against the blocks it holds (Dynamo's decode cost); prefill is the kv cost with its own reuse credit.
-        # Neither prices requests in flight (request weight 0): both pools' costs predate that term.
-        index = router.kv_index
-        self.decode_router = Router(build_policy("kv", overlap_weight=cfg.decode_overlap_weight, reuse_weight=1.0,
-                                                 request_weight=0.0, index=index), load=router.loads)
-        reuse = kv.reuse_weight if cfg.prefill_reuse_weight is None else cfg.prefill_reuse_weight
-        self.prefill_router = Router(build_policy("kv", overlap_weight=kv.overlap_weight, reuse_weight=reuse,
-                                                  request_weight=0.0, index=index))
+        # its load book, which the service closes (first token, completion) on every path (orchestrator/routing.py).
+        self.decode_router, self.prefill_router = build_phase_routers(cfg, router, kv)
         pool.on_worker_left.append(self.prefill_router.loads.remove_worker)
 
     # ---- the two calls the service makes ---------------------------------------------------------

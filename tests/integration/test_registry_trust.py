@@ -71,6 +71,7 @@ async def test_bad_entries_are_skipped_with_one_log_line(raw, redis_url, caplog)
             await d.register(winfo("good", eng.url), 30)
             bad = {"zero-blocks": winfo("zero-blocks").model_dump(mode="json") | {"block_size": 0},
                    "file-url": winfo("file-url").model_dump(mode="json") | {"url": "file:///etc/passwd"},
+                   "ftp-url": winfo("ftp-url").model_dump(mode="json") | {"url": "ftp://10.6.6.6/x"},
                    "other-id": winfo("someone-else").model_dump(mode="json"),
                    "negative-ctx": winfo("negative-ctx").model_dump(mode="json") | {"max_model_len": -5}}
             for wid, doc in bad.items():

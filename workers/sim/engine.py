@@ -1,10 +1,11 @@
-"""The async engine loop: drives the pure scheduler in (scaled) real time.
+"""The async engine loop: drives the engine core (workers/sim/core.py) in (scaled) real time.
 
-    loop:  plan = scheduler.schedule()
-           dt   = timing.step_ms(plan) / 1000            (already divided by --speedup)
+    loop:  plan, dt = core.plan()                        scheduler.schedule() priced by the timing model
+                                                         (seconds, already divided by --speedup)
            sleep until start + dt                        (deadline-based: no drift from loop overhead)
-           result = scheduler.update_from_output(plan)   -> tokens to per-request streams
+           result = core.finish(plan, dt)                -> tokens to per-request streams
            metrics; publish the step's KV events as one batch
+The replay (orchestrator/replay/engine.py) drives the same EngineCore on a virtual clock instead.
 
 The next step starts at the previous deadline, not at wake-up time, so sleep overshoot and Python
 overhead do not accumulate; if the loop falls more than `max_lag_s` behind (an overloaded CPU), it
@@ -26,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from workers.sim.core import EngineCore
 from workers.sim.hashing import RequestHashes
 from workers.sim.kv_manager import KvBlockManager
 from workers.sim.metrics import SimMetrics
@@ -104,14 +106,13 @@ class SimEngine:
         self.scheduler = scheduler
         self.kv: KvBlockManager = scheduler.kv
         self.timing = timing
+        self.core = EngineCore(scheduler, timing)
         self.metrics = metrics
         self.publisher = publisher
         self.clock = clock
         self.max_lag_s = max_lag_s
         self.streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
-        self.steps = 0
-        self.busy_time = 0.0
         self._last_yield = 0.0
         self._first_tokens = False  # the last step produced some request's first token
         self._kick: float | None = None  # arrival of the request that woke the idle engine
@@ -119,7 +120,6 @@ class SimEngine:
         self.dropped_time = 0.0  # profile time lost to CPU overload (re-anchoring), seconds wall
         self._last_lag_warning = float("-inf")
         self.loader: Callable[[Any, int, int], Awaitable[bool]] | None = None
-        self.on_held: Callable[[str, int], bool] | None = None
         self.on_ended: Callable[[str, str], None] | None = None
         self._loads: dict[str, asyncio.Task[None]] = {}
         self.iteration_stats: Any = None  # flavors.TrtllmIterationStats when the sim plays TRT-LLM
@@ -178,6 +178,23 @@ class SimEngine:
         if req is not None and self.on_ended is not None:
             self.on_ended(request_id, req.finish_reason or reason)
 
+    @property
+    def steps(self) -> int:
+        return self.core.steps
+
+    @property
+    def busy_time(self) -> float:
+        return self.core.busy_time
+
+    @property
+    def on_held(self) -> Callable[[str, int], bool] | None:
+        """P/D: told when a prefill finished with its blocks held (False: nobody holds them, free now)."""
+        return self.core.on_held
+
+    @on_held.setter
+    def on_held(self, hook: Callable[[str, int], bool] | None) -> None:
+        self.core.on_held = hook
+
     def release_held(self, request_id: str) -> bool:
         """Free a finished prefill's held blocks (its KV was read, expired or abandoned)."""
         return self.scheduler.release_held(request_id)
@@ -217,6 +234,7 @@ class SimEngine:
     async def run(self) -> None:
         next_start: float | None = None
         sched = self.scheduler
+        core = self.core
         while True:
             if not sched.has_work:
                 self._wake.clear()
@@ -227,7 +245,7 @@ class SimEngine:
             start = now if next_start is None else max(next_start, now - self.max_lag_s)
             if next_start is not None and start > next_start:
                 self._fell_behind(now - next_start)
-            plan = sched.schedule()
+            plan, dt = core.plan()
             for req, hit in plan.remote_loads:
                 self._start_load(req, hit)
             if not plan:
@@ -241,15 +259,12 @@ class SimEngine:
                 s = self.streams.get(req.request_id)
                 if s is not None:
                     s.admitted = now
-            dt = self.timing.step_ms(plan.prefill_chunks, plan.decode_contexts, plan.starts_prefill) / 1000.0
             deadline = start + dt
             await self._sleep_until(deadline)
-            finished = self._finish_step(plan, self.clock())
+            finished = self._finish_step(plan, dt, self.clock())
             if self.iteration_stats is not None:  # TRT-LLM flavor's JSON /metrics
                 self.iteration_stats.record(dt * 1000.0, len(plan.prefill_chunks), len(plan.decode_contexts),
                                             sum(n for _, n in plan.prefill_chunks), finished)
-            self.steps += 1
-            self.busy_time += dt
             next_start = deadline
 
     async def _sleep_until(self, deadline: float) -> None:
@@ -290,10 +305,10 @@ class SimEngine:
                 "lower --speedup or the load", lag * 1000, self.dropped_time,
             )
 
-    def _finish_step(self, plan: StepPlan, now: float) -> int:
-        """Apply a step's results to the streams; returns how many requests finished."""
+    def _finish_step(self, plan: StepPlan, dt: float, now: float) -> int:
+        """Apply a step's results (the core's) to the streams; returns how many requests finished."""
         streams = self.streams
-        result = self.scheduler.update_from_output(plan)
+        result = self.core.finish(plan, dt)
         m = self.metrics
         if m is not None:
             m.iteration_tokens.observe(plan.num_tokens)
@@ -320,14 +335,12 @@ class SimEngine:
                 s.finish_reason = req.finish_reason
                 self._record_finish(s, now)
                 s._wake()
-            if req.hold_blocks and (self.on_held is None or not self.on_held(req.request_id, req.num_computed_tokens)):
-                self.scheduler.release_held(req.request_id)
             if self.on_ended is not None:
                 self.on_ended(req.request_id, req.finish_reason or "stop")
         if self.publisher is not None:
-            self.publisher.publish(self.kv.take_events())
+            self.publisher.publish(self.core.take_events())
         else:
-            self.kv.take_events()
+            self.core.take_events()
         return len(result.finished)
 
     def _record_finish(self, s: RequestStream, now: float) -> None:

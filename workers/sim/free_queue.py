@@ -20,8 +20,18 @@ class FreeBlockQueue:
         self._next[s] = self._prev[s] = s
         self._in = [False] * num_blocks
         self._len = 0
-        for b in initial:
-            self.append(b)
+        order = list(initial)
+        if order and len(set(order)) == len(order) and all(0 <= b < num_blocks for b in order):  # link them in one pass
+            nxt, prv = self._next, self._prev
+            for a, b in zip([s] + order, order + [s]):
+                nxt[a] = b
+                prv[b] = a
+            for b in order:
+                self._in[b] = True
+            self._len = len(order)
+        else:
+            for b in order:
+                self.append(b)
 
     def __len__(self) -> int:
         return self._len

@@ -16,12 +16,16 @@ Model (vLLM 0.32, `vllm/v1/core/block_pool.py`, `kv_cache_manager.py`):
   concurrently both cache it (duplicates), exactly like vLLM.
 - `reset_prefix_cache` (only when no block is in use) drops every hash -> `AllBlocksCleared`.
 
+Block hashes are opaque keys: vLLM's sha256 bytes (workers/sim/hashing.py) by default, published as
+`to_external(hash)`; a replay may hash blocks its own way (any hashable key) and pass `external` to publish them,
+and `coalesce_removals` to publish a run of evictions as one BlockRemoved (the same index update, fewer events).
 Pure and synchronous; events accumulate until `take_events()`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from workers.sim.free_queue import FreeBlockQueue
@@ -33,18 +37,23 @@ MEDIUM = "GPU"
 
 
 class KvBlockManager:
-    def __init__(self, num_gpu_blocks: int, block_size: int, *, enable_caching: bool = True, enable_events: bool = True) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, *, enable_caching: bool = True, enable_events: bool = True,
+                 external: Callable[[Any], int] = to_external, coalesce_removals: bool = False) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be >= 2 (block 0 is reserved)")
         self.num_gpu_blocks = num_gpu_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.enable_events = enable_events
+        self._external = external  # block hash -> the 64-bit id its KV events carry
+        # consecutive evictions as one BlockRemoved of many blocks (the replay's: the index ends the same); off, one
+        # event per evicted block, as vLLM publishes them
+        self.coalesce_removals = coalesce_removals
         self.ref_cnt = [0] * num_gpu_blocks
-        self.block_hash: list[bytes | None] = [None] * num_gpu_blocks
+        self.block_hash: list[Any] = [None] * num_gpu_blocks
         # front = next to allocate / evict; block 0 (null block) is never free
         self._free = FreeBlockQueue(num_gpu_blocks, range(1, num_gpu_blocks))
-        self._cached: dict[bytes, list[int]] = {}
+        self._cached: dict[Any, list[int]] = {}
         self.req_blocks: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}
         self._events: list[KvEvent] = []
@@ -191,7 +200,11 @@ class KvBlockManager:
             if not ids:
                 del self._cached[h]
             if self.enable_events:
-                self._events.append(BlockRemoved(block_hashes=[to_external(h)], medium=MEDIUM))
+                events = self._events
+                if self.coalesce_removals and events and type(events[-1]) is BlockRemoved:
+                    events[-1].block_hashes.append(self._external(h))  # the same index update as one event per block
+                else:
+                    events.append(BlockRemoved(block_hashes=[self._external(h)], medium=MEDIUM))
 
     def _cache_full_blocks(
         self, req_id: str, blocks: list[int], all_token_ids: Sequence[int], block_hashes: Sequence[bytes], num_full: int
@@ -200,24 +213,26 @@ class KvBlockManager:
         num_full = min(num_full, len(block_hashes), len(blocks))
         if num_full <= start:
             return
-        new_ext: list[int] = []
+        external = self._external
+        block_hash, cached = self.block_hash, self._cached
         for i in range(start, num_full):
-            b, h = blocks[i], block_hashes[i]
-            if self.block_hash[b] is None:
-                self.block_hash[b] = h
-                ids = self._cached.setdefault(h, [])
-                if b not in ids:
+            b = blocks[i]
+            if block_hash[b] is None:
+                h = block_hashes[i]
+                block_hash[b] = h
+                ids = cached.get(h)
+                if ids is None:
+                    cached[h] = [b]
+                elif b not in ids:
                     ids.append(b)
-            if self.enable_events:
-                new_ext.append(to_external(h))
         self._num_cached[req_id] = num_full
         if self.enable_events:
             bs = self.block_size
             keyed = block_hashes if type(block_hashes) is RequestHashes else None  # a LoRA or multimodal request
             self._events.append(
                 BlockStored(
-                    block_hashes=new_ext,
-                    parent_block_hash=to_external(block_hashes[start - 1]) if start > 0 else None,
+                    block_hashes=[external(h) for h in block_hashes[start:num_full]],
+                    parent_block_hash=external(block_hashes[start - 1]) if start > 0 else None,
                     token_ids=list(all_token_ids[start * bs : num_full * bs]),
                     block_size=bs,
                     medium=MEDIUM,

@@ -80,6 +80,7 @@ class SimRequest:
     kv_load: str | None = None  # None | "loading" (pull in flight) | "ready" (blocks allocated, schedulable)
     kv_loaded: bool = False  # the prompt KV arrived: only the last prompt token is left (a decode step)
     num_external_tokens: int = 0  # prompt tokens that came from the remote prefill
+    tag: Any = None  # whatever the engine's driver attaches (the replay: the request's record); never read here
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +102,8 @@ class StepPlan:
     starts_prefill: bool = False  # some request is scheduled from the waiting queue (incl. resumes)
     preempted: list[SimRequest] = field(default_factory=list)
     remote_loads: list[tuple[SimRequest, int]] = field(default_factory=list)  # (decode admitted, local hit tokens)
+    prefills_done: int = 0  # prefill chunks that finish their request's known tokens (a token is sampled after them)
+    prefills_done_tokens: int = 0  # the context lengths of those requests, summed
 
     @property
     def num_tokens(self) -> int:
@@ -215,15 +218,20 @@ class Scheduler:
         i = 0
         running = self.running
         limit = self.max_model_len - 1
+        max_len = self.max_model_len
+        allocate = kv.allocate_slots
+        decode_contexts, scheduled_list = plan.decode_contexts, plan.scheduled
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            n = min(len(req.all_token_ids) - computed, budget, limit - computed)
+            all_ids = req.all_token_ids
+            total = len(all_ids)
+            n = min(total - computed, budget, limit - computed)
             if n <= 0:
                 i += 1
                 continue
             scheduled = True
-            while not kv.allocate_slots(req.request_id, req.all_token_ids, req.block_hashes, computed, n, (), self.max_model_len):
+            while not allocate(req.request_id, all_ids, req.block_hashes, computed, n, (), max_len):
                 victim = self.running.pop()
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -232,7 +240,12 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            self._plan(plan, req, n)
+            if n == 1 and computed + 1 == total and (req.output_token_ids or req.kv_loaded):  # a decode: _plan, inlined
+                decode_contexts.append(total)
+                scheduled_list.append((req, 1))
+                req.num_computed_tokens = total
+            else:
+                self._plan(plan, req, n)
             budget -= n
             i += 1
 
@@ -300,10 +313,14 @@ class Scheduler:
 
     def _plan(self, plan: StepPlan, req: SimRequest, n: int) -> None:
         p = req.num_computed_tokens
-        if n == 1 and p + 1 == len(req.all_token_ids) and (req.output_token_ids or req.kv_loaded):
-            plan.decode_contexts.append(p + 1)
+        total = len(req.all_token_ids)
+        if n == 1 and p + 1 == total and (req.output_token_ids or req.kv_loaded):
+            plan.decode_contexts.append(total)
         else:
             plan.prefill_chunks.append((p, n))
+            if p + n == total:
+                plan.prefills_done += 1
+                plan.prefills_done_tokens += total
         plan.scheduled.append((req, n))
         req.num_computed_tokens = p + n
 

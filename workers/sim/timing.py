@@ -62,6 +62,20 @@ def interp(x: float, xs: Sequence[float], ys: Sequence[float], extrapolate: bool
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _clamped(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """interp(x, xs, ys) without extrapolation (the decode rows' hot path: the same result, fewer branches)."""
+    i = bisect_right(xs, x)
+    if i <= 0:
+        return float(ys[0])
+    if i >= len(xs):
+        return float(ys[-1])
+    x0, x1 = xs[i - 1], xs[i]
+    if x1 == x0:
+        return float(ys[i])
+    y0 = ys[i - 1]
+    return y0 + (ys[i] - y0) * (x - x0) / (x1 - x0)
+
+
 def isotonic(ys: Sequence[float]) -> list[float]:
     """Least-squares non-decreasing fit (pool adjacent violators), equal weights."""
     blocks: list[list[float]] = []  # [mean, count]
@@ -123,12 +137,12 @@ class TimingModel:
         ctx = self._ctx
         j = bisect_right(ctx, context)
         if j <= 0:
-            return interp(kv_usage, *self._rows[0])
+            return _clamped(kv_usage, *self._rows[0])
         if j >= len(ctx):
-            return interp(kv_usage, *self._rows[-1])
+            return _clamped(kv_usage, *self._rows[-1])
         c0, c1 = ctx[j - 1], ctx[j]
-        z0 = interp(kv_usage, *self._rows[j - 1])
-        z1 = interp(kv_usage, *self._rows[j])
+        z0 = _clamped(kv_usage, *self._rows[j - 1])
+        z1 = _clamped(kv_usage, *self._rows[j])
         return z0 + (z1 - z0) * (context - c0) / (c1 - c0)
 
     def decode_ms(self, contexts: Sequence[int]) -> float:
@@ -141,3 +155,7 @@ class TimingModel:
     def step_ms(self, prefill_chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int], starts_request: bool = True) -> float:
         """Wall-clock milliseconds of one step after `speedup`."""
         return (self.prefill_ms(prefill_chunks, starts_request) + self.decode_ms(decode_contexts)) / self.speedup
+
+    def plan_ms(self, plan, kv=None) -> float:
+        """step_ms of a scheduler's StepPlan (the engine core's call; `kv` is not needed by this model)."""
+        return (self.prefill_ms(plan.prefill_chunks, plan.starts_prefill) + self.decode_ms(plan.decode_contexts)) / self.speedup

@@ -6,6 +6,7 @@ import pytest
 
 from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from workers.sim.hashing import BlockHasher, sha256_pickle, to_external
+from workers.sim.free_queue import FreeBlockQueue
 from workers.sim.kv_manager import KvBlockManager
 
 BS = 4
@@ -178,3 +179,18 @@ def test_free_block_queue_operations():
         q.popleft()
     with pytest.raises(IndexError):
         q.popleft()
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+def test_evictions_publish_one_event_per_block_unless_coalesced(coalesce):
+    kv = KvBlockManager(5, BS, coalesce_removals=coalesce)  # 4 usable blocks
+    assert alloc(kv, "a", list(range(4 * BS)))
+    kv.free("a")  # all four cached, free
+    kv.take_events()
+    assert alloc(kv, "b", [99] * (3 * BS))  # takes three of them: three evictions
+    removed = [e for e in kv.take_events() if isinstance(e, BlockRemoved)]
+    ids = [h for e in removed for h in e.block_hashes]
+    assert len(ids) == 3 and len(set(ids)) == 3
+    assert len(removed) == (1 if coalesce else 3)
+    free_list = FreeBlockQueue(10, [3, 1, 2])
+    assert list(free_list) == [3, 1, 2] and len(free_list) == 3 and 3 in free_list and 4 not in free_list
