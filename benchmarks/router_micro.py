@@ -59,7 +59,7 @@ from router import Endpoint, KvIndex, RouteRequest, Router, build_policy  # noqa
 from router.hashing import block_hashes_view  # noqa: E402
 from router.load import LoadTracker  # noqa: E402
 from router import _kernels, hashing  # noqa: E402
-from workers.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from router.kv_events import BlockRemoved, BlockStored  # noqa: E402
 from workers.sglang import kv_events as sglang  # noqa: E402
 from workers.vllm import kv_events as vllm  # noqa: E402
 from benchmarks.dynamo_radix_micro import pack_event, pct, summary  # noqa: E402 (one percentile rule for both sides)

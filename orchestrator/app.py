@@ -39,7 +39,7 @@ from orchestrator.service import InferenceService
 from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_store
 from router.events import KvEventIngestor
 from workers.discovery import Discovery, InMemoryDiscovery, RedisDiscovery
-from workers.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
+from planner.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
 
 __all__ = ["create_app", "make_discovery", "make_guards"]
 

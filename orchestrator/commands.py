@@ -118,8 +118,8 @@ async def _start_planner(ccfg: ClusterConfig, app, cluster):
     from orchestrator.local_scaling import local_connector
     from planner.config import PlannerConfig
     from planner.service import embedded_planner
-    from workers.telemetry.schema import PoolKey
-    from workers.telemetry.targets import TargetsConflictError, parse_targets
+    from planner.telemetry.schema import PoolKey
+    from planner.telemetry.targets import TargetsConflictError, parse_targets
 
     # the sim's step times come from a profile, so SLA sizing applies; real vLLM on a CPU has no profile
     sim = ccfg.backend == "sim"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from orchestrator.launcher import LocalCluster, default_tokenizer
 from planner.connectors.local import LocalConnector
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 from workers.types import WorkerRole
 from workers.worker import WorkerSupervisor
 

@@ -36,7 +36,7 @@ def add_planner_parser(sub) -> argparse.ArgumentParser:
 
 
 async def _seed_targets(store, data: dict | None) -> None:
-    from workers.telemetry.targets import TargetsConflictError, parse_targets
+    from planner.telemetry.targets import TargetsConflictError, parse_targets
 
     if not data:
         return
@@ -49,7 +49,7 @@ async def _seed_targets(store, data: dict | None) -> None:
 
 def _connector(name: str, doc: dict, pools):
     from planner.connectors import VirtualConnector
-    from workers.telemetry.schema import PoolKey
+    from planner.telemetry.schema import PoolKey
 
     if name == "virtual":
         return VirtualConnector({p: 0 for p in pools})
@@ -67,8 +67,8 @@ async def run_planner_command(ns: argparse.Namespace, stop: asyncio.Event | None
     from orchestrator.config import load_yaml
     from planner.config import PlannerConfig
     from planner.service import run_planner
-    from workers.telemetry.schema import PoolKey
-    from workers.telemetry.targets import RedisTargetsStore
+    from planner.telemetry.schema import PoolKey
+    from planner.telemetry.targets import RedisTargetsStore
 
     doc = load_yaml(ns.config) if ns.config else {}
     cfg_data = dict(doc.get("planner") or {})

@@ -31,7 +31,7 @@ from orchestrator.launcher import default_tokenizer, engine_config
 from planner.connectors.ray import AUTO, RayConnector, WorkerSpec
 from planner.connectors.ray_discovery import RAY_NAMESPACE, RayActorDiscovery, start_discovery_hub
 from workers.discovery import Discovery, RedisDiscovery
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 
 __all__ = ["RayOptions", "RayCluster"]
 

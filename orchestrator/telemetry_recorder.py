@@ -29,11 +29,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from workers.telemetry.aggregator import TelemetryAggregator
-from workers.telemetry.flusher import TelemetryFlusher
-from workers.telemetry.redis_store import RedisTelemetryStore
-from workers.telemetry.schema import TelemetrySchema
-from workers.telemetry.store import InMemoryTelemetryStore, TelemetryStore
+from planner.telemetry.aggregator import TelemetryAggregator
+from planner.telemetry.flusher import TelemetryFlusher
+from planner.telemetry.redis_store import RedisTelemetryStore
+from planner.telemetry.schema import TelemetrySchema
+from planner.telemetry.store import InMemoryTelemetryStore, TelemetryStore
 from workers.types import EngineMetrics, WorkerInfo
 
 __all__ = ["FrontendTelemetry", "make_telemetry_store"]

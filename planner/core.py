@@ -42,8 +42,8 @@ from planner.perf_model import PerfModel
 from planner.predictors import Predictor, make_predictor
 from planner.sla import aggregated_replicas, decode_replicas, prefill_replicas
 from planner.types import Decision, Demand, Observation, PoolDecision, PoolObservation
-from workers.telemetry.schema import PoolKey
-from workers.telemetry.targets import PoolTarget
+from planner.telemetry.schema import PoolKey
+from planner.telemetry.targets import PoolTarget
 
 __all__ = ["PlannerCore"]
 

@@ -22,9 +22,9 @@ from planner.connectors.base import ConnectorError, PlannerConnector
 from planner.core import PlannerCore
 from planner.metrics import PlannerMetrics
 from planner.types import Decision, Observation, PoolObservation
-from workers.telemetry.schema import PoolKey, merge_buckets
-from workers.telemetry.store import TelemetryStore, TelemetryUnavailableError
-from workers.telemetry.targets import TargetsStore, TargetsUnavailableError, VersionedTargets
+from planner.telemetry.schema import PoolKey, merge_buckets
+from planner.telemetry.store import TelemetryStore, TelemetryUnavailableError
+from planner.telemetry.targets import TargetsStore, TargetsUnavailableError, VersionedTargets
 
 __all__ = ["PlannerLoop"]
 

@@ -20,10 +20,10 @@ from planner.core import PlannerCore
 from planner.loop import PlannerLoop
 from planner.metrics import PlannerMetrics
 from planner.perf_model import load_perf_model
-from workers.telemetry.redis_store import RedisTelemetryStore
-from workers.telemetry.schema import TelemetrySchema
-from workers.telemetry.store import InMemoryTelemetryStore, TelemetryStore
-from workers.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore, TargetsStore
+from planner.telemetry.redis_store import RedisTelemetryStore
+from planner.telemetry.schema import TelemetrySchema
+from planner.telemetry.store import InMemoryTelemetryStore, TelemetryStore
+from planner.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore, TargetsStore
 
 __all__ = ["build_planner", "embedded_planner", "run_planner"]
 

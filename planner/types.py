@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from workers.telemetry.schema import PoolKey, PoolStats
-from workers.telemetry.targets import VersionedTargets
+from planner.telemetry.schema import PoolKey, PoolStats
+from planner.telemetry.targets import VersionedTargets
 
 __all__ = ["PoolObservation", "Observation", "PoolDecision", "Decision", "Demand"]
 

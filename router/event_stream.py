@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from router.errors import KvEventRejected
 from router.kv_index import KvIndex
-from workers.kv_events import BlockRemoved, BlockStored, KvEventBatch
+from router.kv_events import BlockRemoved, BlockStored, KvEventBatch
 
 __all__ = ["EventStream", "Replay", "StreamStats"]
 

@@ -37,7 +37,7 @@ import zmq.asyncio
 
 from router.event_stream import EventStream, Replay
 from router.kv_index import KvIndex
-from workers.kv_events import KvEventBatch, KvEventDecodeError
+from router.kv_events import KvEventBatch, KvEventDecodeError
 from workers.types import WorkerInfo
 
 __all__ = ["KvEventIngestor", "event_format"]

@@ -10,7 +10,7 @@ Because each chained hash names its whole prefix (router/hashing.py), matching i
 request's hashes: `find_matches(h) = {worker: number of consecutive blocks from the start it holds}`,
 AND-ing the owner masks and stopping as soon as no worker is left (MaskTable.match, in C).
 
-Events (engine-neutral, workers/kv_events.py):
+Events (engine-neutral, router/kv_events.py):
     BlockStored(block_hashes, parent, token_ids, block_size, lora_name, mm_keys)
         our hashes = block_hashes(token_ids, block_size, lora_name, parent=blocks[parent]), with each block's
         multimodal keys mixed in when it has any (router/mm_hashing.py);
@@ -54,7 +54,7 @@ from router.errors import BlockHashError, KvEventRejected
 from router.hashing import block_hashes
 from router.mm_hashing import mm_block_hashes
 from router.kv_approx import Predicted
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 __all__ = ["KvIndex"]
 

@@ -34,11 +34,11 @@ import xxhash
 
 from router.errors import BlockHashError
 from router.hashing import BASE_SEED, lora_seed
-from workers.multimodal import block_mm_keys
 
-__all__ = ["MmKeys", "block_mm_keys", "mm_block_hashes", "mm_block_hashes_view"]
+__all__ = ["MmItem", "MmKeys", "block_mm_keys", "mm_block_hashes", "mm_block_hashes_view"]
 
 MmKeys = tuple[tuple[str, int], ...]  # one block's (identifier, offset relative to the block start) pairs
+MmItem = tuple[str, int, int]  # one multimodal item: (identifier, offset of its placeholder run, run length)
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pair = struct.Struct("<QQ")
@@ -93,3 +93,20 @@ def mm_block_hashes_view(tokens: Sequence[int], block_size: int, lora_name: str 
         raise BlockHashError(f"block_size must be positive, got {block_size}")
     keys = block_mm_keys(len(tokens), block_size, items)
     return memoryview(array("Q", mm_block_hashes(tokens, block_size, lora_name, keys)).tobytes()).cast("Q")
+
+
+def block_mm_keys(num_tokens: int, block_size: int, items: Sequence[MmItem]) -> list[tuple[tuple[str, int], ...] | None]:
+    """Per full block of a `num_tokens` prompt: (identifier, item offset - block start) of each item overlapping it
+    (None for a block with none); `items` sorted by offset. vLLM's `_gen_mm_extra_hash_keys` block by block."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_blocks = num_tokens // block_size
+    out: list[tuple[tuple[str, int], ...] | None] = [None] * n_blocks
+    for ident, offset, length in items:
+        if length <= 0:
+            continue
+        for b in range(max(0, offset // block_size), min(n_blocks - 1, (offset + length - 1) // block_size) + 1):
+            key = (ident, offset - b * block_size)
+            prev = out[b]
+            out[b] = (*prev, key) if prev else (key,)
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from workers.kv_events import KvEventBatch
+from router.kv_events import KvEventBatch
 from workers.types import EngineLaunchConfig, EngineMetrics, LaunchSpec
 
 __all__ = ["Backend"]

@@ -28,7 +28,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from workers.kv_events import KvEvent
+from router.kv_events import KvEvent
 from workers.vllm.kv_events import encode_batch
 
 __all__ = ["KvEventPublisher", "PublisherSettings", "is_bind_endpoint"]

@@ -20,7 +20,7 @@ sentinels, each piece tokenized, and the runs spliced in: the prompt's token ids
 (identifier, offset, length) in order. The run length of a real vision model depends on the model and the
 image size; set the spec to the model's values (docs/features.md says what matches when they differ).
 
-`block_mm_keys` is vLLM's per-block walk over the items (`_gen_mm_extra_hash_keys`, vllm/v1/core/kv_cache_utils.py):
+`router.mm_hashing.block_mm_keys` is vLLM's per-block walk over the items (`_gen_mm_extra_hash_keys`, vllm/v1/core/kv_cache_utils.py):
 for each full block, (identifier, item offset - block start) of every item overlapping it.
 """
 
@@ -33,14 +33,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ContentError", "MmItem", "MmTokenSpec", "MM_PART_TYPES", "block_mm_keys", "flatten_messages",
+from router.mm_hashing import MmItem  # one item as the router hashes it
+
+__all__ = ["ContentError", "MmItem", "MmTokenSpec", "MM_PART_TYPES", "flatten_messages",
            "has_mm_parts", "item_identifier", "tokenize_mm_chat"]
 
 MM_PART_TYPES = {"image_url": "image", "input_audio": "audio", "audio_url": "audio"}
 TEXT_TYPES = ("text",)
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")
 
-MmItem = tuple[str, int, int]  # (identifier, offset of its placeholder run, run length)
 
 
 class ContentError(ValueError):
@@ -151,20 +152,3 @@ def tokenize_mm_chat(rendered: str, items: Sequence[tuple[str, str]], encode: Ca
     if pos < len(rendered):
         ids.extend(encode(rendered[pos:]))
     return ids, out
-
-
-def block_mm_keys(num_tokens: int, block_size: int, items: Sequence[MmItem]) -> list[tuple[tuple[str, int], ...] | None]:
-    """Per full block of a `num_tokens` prompt: (identifier, item offset - block start) of each item overlapping it
-    (None for a block with none); `items` sorted by offset. vLLM's `_gen_mm_extra_hash_keys` block by block."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    n_blocks = num_tokens // block_size
-    out: list[tuple[tuple[str, int], ...] | None] = [None] * n_blocks
-    for ident, offset, length in items:
-        if length <= 0:
-            continue
-        for b in range(max(0, offset // block_size), min(n_blocks - 1, (offset + length - 1) // block_size) + 1):
-            key = (ident, offset - b * block_size)
-            prev = out[b]
-            out[b] = (*prev, key) if prev else (key,)
-    return out

@@ -7,7 +7,7 @@ Metric names: the frontend's kvyard_* (orchestrator/metrics.py), the engines' vl
 sim engine), the planner's kvyard_planner_* gauges (planner/metrics.py; labels model, role), and three
 target gauges the planner does not export yet, assumed here as kvyard_planner_target_ttft_seconds,
 kvyard_planner_target_itl_seconds and kvyard_planner_target_tokens_per_second {model, role} (the
-TTFT/ITL p90 and tokens/s targets of workers.telemetry.targets, in seconds). pool/role/component
+TTFT/ITL p90 and tokens/s targets of planner.telemetry.targets, in seconds). pool/role/component
 labels on engine series come from the chart's ServiceMonitor relabelings.
 """
 import json

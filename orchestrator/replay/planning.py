@@ -19,9 +19,9 @@ from orchestrator.replay.runner import Replay, run_sync
 from orchestrator.telemetry_recorder import FrontendTelemetry
 from planner.config import PlannerConfig
 from planner.service import build_planner
-from workers.telemetry.schema import PoolKey, TelemetrySchema
-from workers.telemetry.store import InMemoryTelemetryStore
-from workers.telemetry.targets import InMemoryTargetsStore, parse_targets
+from planner.telemetry.schema import PoolKey, TelemetrySchema
+from planner.telemetry.store import InMemoryTelemetryStore
+from planner.telemetry.targets import InMemoryTargetsStore, parse_targets
 
 __all__ = ["PlannerDriver", "ReplayConnector", "default_targets"]
 

@@ -31,8 +31,8 @@ from orchestrator.errors import (
 )
 from orchestrator.json_input import load_json
 from orchestrator.security.guards import AdminGuard
-from workers.telemetry.store import TelemetryStore, TelemetryUnavailableError
-from workers.telemetry.targets import (
+from planner.telemetry.store import TelemetryStore, TelemetryUnavailableError
+from planner.telemetry.targets import (
     TargetsConflictError,
     TargetsStore,
     TargetsUnavailableError,

@@ -27,9 +27,9 @@ from starlette.responses import JSONResponse, Response
 
 from orchestrator.errors import BadRequestError, error_response
 from orchestrator.security.guards import AdminGuard
-from workers.telemetry.schema import PoolBucket, PoolKey, merge_buckets
-from workers.telemetry.store import TelemetryUnavailableError
-from workers.telemetry.targets import TargetsUnavailableError
+from planner.telemetry.schema import PoolBucket, PoolKey, merge_buckets
+from planner.telemetry.store import TelemetryUnavailableError
+from planner.telemetry.targets import TargetsUnavailableError
 
 __all__ = ["make_dashboard_router", "bucket_point"]
 

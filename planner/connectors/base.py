@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 
 __all__ = ["PlannerConnector", "ConnectorError"]
 

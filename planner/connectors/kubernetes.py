@@ -15,7 +15,7 @@ import asyncio
 import re
 
 from planner.connectors.base import ConnectorError
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 
 __all__ = ["KubernetesConnector", "dns_name"]
 

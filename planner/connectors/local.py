@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 from workers.worker import WorkerSupervisor
 
 __all__ = ["LocalConnector", "SupervisorFactory"]

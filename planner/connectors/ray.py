@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from planner.connectors.base import ConnectorError
 from planner.connectors.ray_discovery import RAY_NAMESPACE
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 from workers.types import EngineLaunchConfig
 
 __all__ = ["RayConnector", "WorkerSpec", "KvyardWorkerActor", "AUTO"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 
 __all__ = ["VirtualConnector"]
 

@@ -125,9 +125,9 @@ def _planner_tick(prefix: str, pool_key, replicas: int):
     from planner.config import PlannerConfig
     from planner.connectors import VirtualConnector
     from planner.service import build_planner
-    from workers.telemetry.redis_store import RedisTelemetryStore
-    from workers.telemetry.schema import TelemetrySchema
-    from workers.telemetry.targets import RedisTargetsStore
+    from planner.telemetry.redis_store import RedisTelemetryStore
+    from planner.telemetry.schema import TelemetrySchema
+    from planner.telemetry.targets import RedisTargetsStore
 
     async def run():
         telemetry = RedisTelemetryStore(REDIS_URL, TelemetrySchema(prefix=prefix))
@@ -147,7 +147,7 @@ def _planner_tick(prefix: str, pool_key, replicas: int):
 def test_dashboard_shows_telemetry_and_edits_targets(stack, tmp_path):
     shots = KEPT_SHOTS if os.environ.get("KVYARD_UPDATE_SCREENSHOTS") == "1" else tmp_path
     client, url, prefix, sync_playwright = stack
-    from workers.telemetry.schema import PoolKey
+    from planner.telemetry.schema import PoolKey
 
     workers = client.get(url + "/api/cluster", headers=_admin()).json()["workers"]
     model, role = workers[0]["model"], workers[0]["role"]

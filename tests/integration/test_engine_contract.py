@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import zmq
 
-from workers.kv_events import BlockStored
+from router.kv_events import BlockStored
 from workers.vllm.hashing import vllm_block_hashes
 from workers.vllm.kv_events import END_SEQ, decode_pub_frames, decode_replay_frames, pack_seq, unpack_seq
 from workers.vllm.metrics import parse_vllm_metrics

@@ -39,7 +39,7 @@ MIN_K8S = "1.27.0"  # Chart.yaml kubeVersion >=1.27
 LINT_K8S = "v1.33.0"
 
 # Target gauges the dashboard draws its "target" lines from. planner/metrics.py does not export them yet;
-# they are the TTFT/ITL p90 and tokens/s targets of workers.telemetry.targets, in seconds, {model, role}.
+# they are the TTFT/ITL p90 and tokens/s targets of planner.telemetry.targets, in seconds, {model, role}.
 ASSUMED_TARGET_METRICS = {
     "kvyard_planner_target_ttft_seconds", "kvyard_planner_target_itl_seconds", "kvyard_planner_target_tokens_per_second",
 }
@@ -415,7 +415,7 @@ def _planner_file(objs: list[dict], name: str) -> dict:
 
 def test_planner_config_loads_with_the_real_models(rendered: dict[str, list[dict]]) -> None:
     from planner.config import PlannerConfig
-    from workers.telemetry.targets import Targets
+    from planner.telemetry.targets import Targets
 
     for name, cm in (("default", "demo-kvyard-planner"), ("vllm-disagg-gpu", "demo-kvyard-planner"), ("sim-only", "demo-kvyard-planner"),
                      ("all-backends", "kv-planner")):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from orchestrator.planner_cmd import add_planner_parser, run_planner_command
-from workers.telemetry import RedisTargetsStore, RedisTelemetryStore, TelemetrySchema
+from planner.telemetry import RedisTargetsStore, RedisTelemetryStore, TelemetrySchema
 
 pytestmark = pytest.mark.redis
 

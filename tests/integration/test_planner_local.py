@@ -16,7 +16,7 @@ import pytest
 from planner.connectors.local import LocalConnector
 from workers.discovery import InMemoryDiscovery
 from workers.registry import get_backend
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 from workers.types import EngineLaunchConfig, WorkerRole, WorkerState
 from workers.worker import WorkerOptions, WorkerSupervisor
 

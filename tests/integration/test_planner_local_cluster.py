@@ -13,7 +13,7 @@ from orchestrator.launcher import LocalCluster
 from orchestrator.local_scaling import local_connector
 from orchestrator.testing import free_port_pair
 from workers.discovery import InMemoryDiscovery
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from workers.discovery import RedisDiscovery
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 from workers.types import EngineLaunchConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]

@@ -17,7 +17,7 @@ import pytest
 from planner.config import PlannerConfig
 from planner.connectors import VirtualConnector
 from planner.service import build_planner
-from workers.telemetry import (
+from planner.telemetry import (
     PoolKey,
     RedisTargetsStore,
     RedisTelemetryStore,

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from orchestrator.testing.procs import KvyardCluster, RedisServer
-from workers.telemetry.redis_store import RedisTelemetryStore
-from workers.telemetry.schema import TelemetrySchema
+from planner.telemetry.redis_store import RedisTelemetryStore
+from planner.telemetry.schema import TelemetrySchema
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 

@@ -22,7 +22,7 @@ import pytest
 from orchestrator.disagg.launch import pd_launch
 from workers.sglang.backend import SglangBackend
 from workers.sglang.kv_events import decode_payload
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from workers.types import EngineLaunchConfig, WorkerRole
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import zmq
 
-from workers.kv_events import BlockStored
+from router.kv_events import BlockStored
 from workers.sglang.kv_events import decode_pub_frames as decode_sglang_frames
 from workers.trtllm.kv_events import decode_events as decode_trtllm_events
 from workers.vllm.metrics import parse_vllm_metrics

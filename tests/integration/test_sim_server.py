@@ -21,7 +21,7 @@ import httpx
 import pytest
 import zmq
 
-from workers.kv_events import BlockStored
+from router.kv_events import BlockStored
 from workers.process import EngineProcess
 from workers.sim.backend import SimBackend
 from workers.sim.hashing import BlockHasher, to_external

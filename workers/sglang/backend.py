@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 
 from workers.engine_env import find_venv_python
-from workers.kv_events import KvEventBatch
+from router.kv_events import KvEventBatch
 from workers.sglang.kv_events import decode_pub_frames
 from workers.sglang.metrics import parse_sglang_metrics
 from workers.types import EngineLaunchConfig, EngineMetrics, LaunchSpec

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError
 
 __all__ = ["END_SEQ", "decode_payload", "decode_pub_frames", "decode_replay_frames", "encode_batch"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from workers.kv_events import KvEventBatch
+from router.kv_events import KvEventBatch
 from workers.types import EngineLaunchConfig, EngineMetrics, LaunchSpec
 from workers.vllm.backend import server_args
 from workers.vllm.kv_events import decode_pub_frames

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workers.kv_events import KvEvent
+from router.kv_events import KvEvent
 from workers.sim.kv_manager import KvBlockManager
 from workers.sim.scheduler import Scheduler, StepPlan, StepResult
 

@@ -39,7 +39,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from workers.kv_events import BlockStored, KvEvent
+from router.kv_events import BlockStored, KvEvent
 from workers.sim.metrics import SimMetrics
 
 __all__ = [

@@ -20,7 +20,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
-from workers.multimodal import MmItem, block_mm_keys
+from router.mm_hashing import MmItem, block_mm_keys
 
 __all__ = ["DEFAULT_SEED", "BlockHasher", "RequestHashes", "sha256_pickle", "to_external"]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from workers.sim.free_queue import FreeBlockQueue
 from workers.sim.hashing import RequestHashes, to_external
 

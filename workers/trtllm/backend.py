@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from workers.kv_events import KvEventBatch
+from router.kv_events import KvEventBatch
 from workers.trtllm.metrics import parse_trtllm_metrics
 from workers.types import EngineLaunchConfig, EngineMetrics, LaunchSpec
 from workers.vllm.kv_events import decode_pub_frames

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError
 
 __all__ = ["KV_EVENTS_PATH", "decode_event", "decode_events", "encode_events"]
 

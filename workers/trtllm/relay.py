@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from workers.kv_events import AllBlocksCleared, KvEvent, KvEventDecodeError
+from router.kv_events import AllBlocksCleared, KvEvent, KvEventDecodeError
 from workers.kv_publisher import KvEventPublisher
 from workers.trtllm.kv_events import KV_EVENTS_PATH, decode_events
 

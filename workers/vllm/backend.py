@@ -18,7 +18,7 @@ import ipaddress
 import json
 from pathlib import Path
 
-from workers.kv_events import KvEventBatch
+from router.kv_events import KvEventBatch
 from workers.types import EngineLaunchConfig, EngineMetrics, LaunchSpec
 from workers.vllm.kv_events import decode_pub_frames
 from workers.vllm.metrics import parse_vllm_metrics

@@ -30,7 +30,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any
 
-from workers.multimodal import block_mm_keys  # vLLM's walk over the multimodal items (_gen_mm_extra_hash_keys)
+from router.mm_hashing import block_mm_keys  # vLLM's walk over the multimodal items (_gen_mm_extra_hash_keys)
 
 __all__ = ["DEFAULT_SEED", "sha256_pickle", "none_hash", "vllm_block_digests", "vllm_block_hashes", "to_external",
            "vllm_extra_keys", "to_event_extra_keys"]

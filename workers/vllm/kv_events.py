@@ -23,7 +23,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError
 
 __all__ = [
     "END_SEQ",

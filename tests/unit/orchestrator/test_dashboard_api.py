@@ -9,8 +9,8 @@ import httpx
 
 from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
-from workers.telemetry.schema import PoolBucket, PoolKey, TelemetryBatch
-from workers.telemetry.targets import parse_targets
+from planner.telemetry.schema import PoolBucket, PoolKey, TelemetryBatch
+from planner.telemetry.targets import parse_targets
 
 
 async def test_pools_endpoint_reads_telemetry_targets_and_decisions():

@@ -14,7 +14,7 @@ from orchestrator.pool import WorkerPool
 from orchestrator.telemetry_recorder import FrontendTelemetry
 from router import Router
 from workers.discovery import InMemoryDiscovery
-from workers.telemetry import InMemoryTelemetryStore, PoolKey, merge_buckets
+from planner.telemetry import InMemoryTelemetryStore, PoolKey, merge_buckets
 from workers.types import WorkerInfo
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from planner.perf_model import PerfModel
 from planner.types import Observation, PoolObservation
-from workers.telemetry.schema import PoolKey, PoolStats
-from workers.telemetry.targets import Targets, VersionedTargets
+from planner.telemetry.schema import PoolKey, PoolStats
+from planner.telemetry.targets import Targets, VersionedTargets
 
 
 def toy_perf() -> PerfModel:

@@ -9,7 +9,7 @@ import pytest
 from planner.config import PlannerConfig
 from planner.core import PlannerCore
 from planner.types import PoolObservation
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 
 from .conftest import observe, stats, targets, toy_perf
 

@@ -9,11 +9,11 @@ import pytest
 
 import planner
 import planner.connectors
-import workers.telemetry
+import planner.telemetry
 
 MODULES = sorted(
-    {m.name for pkg in (planner, planner.connectors, workers.telemetry) for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")}
-    | {"planner", "planner.connectors", "workers.telemetry", "orchestrator.routes.admin", "orchestrator.telemetry_recorder",
+    {m.name for pkg in (planner, planner.connectors, planner.telemetry) for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")}
+    | {"planner", "planner.connectors", "planner.telemetry", "orchestrator.routes.admin", "orchestrator.telemetry_recorder",
        "orchestrator.planner_cmd", "orchestrator.local_scaling"}
 )
 

@@ -11,7 +11,7 @@ import pytest
 
 from planner.connectors.base import ConnectorError
 from planner.connectors.kubernetes import KubernetesConnector, dns_name
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 
 P = PoolKey("org/Llama-3.1-8B", "prefill")
 D = PoolKey("org/Llama-3.1-8B", "decode")

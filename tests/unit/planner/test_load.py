@@ -7,7 +7,7 @@ import pytest
 from planner.config import LoadThresholds
 from planner.load import load_step
 from planner.types import PoolObservation
-from workers.telemetry.schema import PoolKey
+from planner.telemetry.schema import PoolKey
 
 from .conftest import stats
 

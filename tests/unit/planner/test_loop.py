@@ -10,7 +10,7 @@ from planner.config import PlannerConfig
 from planner.connectors import ConnectorError, VirtualConnector
 from planner.core import PlannerCore
 from planner.loop import PlannerLoop
-from workers.telemetry import (
+from planner.telemetry import (
     InMemoryTargetsStore,
     InMemoryTelemetryStore,
     PoolKey,

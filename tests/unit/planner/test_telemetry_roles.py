@@ -14,7 +14,7 @@ from planner.config import PlannerConfig
 from planner.connectors import VirtualConnector
 from planner.core import PlannerCore
 from planner.loop import PlannerLoop
-from workers.telemetry import InMemoryTargetsStore, InMemoryTelemetryStore, PoolKey, merge_buckets, parse_targets
+from planner.telemetry import InMemoryTargetsStore, InMemoryTelemetryStore, PoolKey, merge_buckets, parse_targets
 from workers.types import EngineMetrics, WorkerInfo, WorkerRole
 
 from .conftest import toy_perf

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router import KvIndex, block_hashes
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventDecodeError
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventDecodeError
 from workers.sglang import kv_events as sglang
 from workers.trtllm import kv_events as trtllm
 from workers.vllm import kv_events as vllm

@@ -6,7 +6,7 @@ import pytest
 
 from router import KvIndex, block_hashes
 from router.event_stream import EventStream, Replay
-from workers.kv_events import BlockRemoved, BlockStored, KvEventBatch
+from router.kv_events import BlockRemoved, BlockStored, KvEventBatch
 
 BS = 2
 TOKENS = list(range(10, 40))  # 15 blocks

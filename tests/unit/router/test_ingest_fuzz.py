@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from router import KvIndex, block_hashes
 from router.events import KvEventIngestor, _Source
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventDecodeError
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventDecodeError
 from workers.sglang import kv_events as sglang
 from workers.trtllm import kv_events as trtllm
 from workers.types import WorkerInfo

@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from router import KvIndex, block_hashes
 from router.events import KvEventIngestor, event_format
-from workers.kv_events import BlockRemoved, BlockStored
+from router.kv_events import BlockRemoved, BlockStored
 from workers.sglang import kv_events as sglang
 from workers.trtllm import kv_events as trtllm
 from workers.types import WorkerInfo

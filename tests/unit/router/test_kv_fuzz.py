@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from router import KvEventRejected, KvIndex, block_hashes
 from router.event_stream import EventStream
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventDecodeError
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventDecodeError
 from workers.sglang import kv_events as sglang
 from workers.trtllm import kv_events as trtllm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router import KvEventRejected, KvIndex, block_hashes
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from .conftest import assert_consistent
 

@@ -15,7 +15,7 @@ import pytest
 from router import BlockHashError, KvIndex, RouteRequest, Router, build_policy
 from router.hashing import block_hashes
 from router.mm_hashing import block_mm_keys, mm_block_hashes, mm_block_hashes_view
-from workers.kv_events import BlockStored
+from router.kv_events import BlockStored
 from workers.vllm.kv_events import decode_payload, encode_batch
 
 GOLDEN = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "vllm" / "hash_extra_keys.json").read_text())
@@ -97,7 +97,7 @@ def test_bad_inputs_raise_block_hash_errors():
 
 
 def test_malformed_extra_keys_are_refused_not_crashing():
-    from workers.kv_events import KvEventDecodeError
+    from router.kv_events import KvEventDecodeError
     from workers.vllm.kv_events import decode_mm_keys
 
     assert decode_mm_keys([None, ["ad"]], 2) is None  # a LoRA name only: no multimodal keys

@@ -16,7 +16,7 @@ import pytest
 from benchmarks import dynamo_radix_micro as dyn
 from benchmarks import router_micro as rm
 from router import KvIndex
-from workers.kv_events import BlockStored
+from router.kv_events import BlockStored
 
 
 def _events():

@@ -10,7 +10,8 @@ import pytest
 from orchestrator.errors import BadRequestError
 from orchestrator.multimodal import MultimodalConfig, chat_prompt, stamp_uuids
 from orchestrator.tokenizer import load_tokenizer
-from workers.multimodal import ContentError, MmTokenSpec, block_mm_keys, flatten_messages, item_identifier, tokenize_mm_chat
+from router.mm_hashing import block_mm_keys
+from workers.multimodal import ContentError, MmTokenSpec, flatten_messages, item_identifier, tokenize_mm_chat
 from workers.sim.backend import SIM_TOKENIZER_DIR
 from workers.sim.text import SimTokenizer
 

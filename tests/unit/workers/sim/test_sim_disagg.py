@@ -10,7 +10,7 @@ import json
 import pytest
 import zmq.asyncio
 
-from workers.kv_events import BlockStored
+from router.kv_events import BlockStored
 from workers.sim.config import parse_args
 from workers.sim.disagg import (
     DEFAULT_KV_BYTES_PER_TOKEN,
@@ -304,7 +304,7 @@ def test_runtime_load_pulls_waits_and_reports_failure():
 # ---- the other flavors' observability -------------------------------------------------------------
 
 def test_sglang_events_are_split_per_page_and_round_trip():
-    from workers.kv_events import BlockRemoved
+    from router.kv_events import BlockRemoved
     from workers.sglang.kv_events import decode_payload, encode_batch
     from workers.sim.flavors import split_per_page
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from workers.kv_events import BlockStored
+from router.kv_events import BlockStored
 from workers.sim.config import parse_args
 from workers.sim.server import build_app
 from workers.vllm.hashing import vllm_block_hashes, vllm_extra_keys

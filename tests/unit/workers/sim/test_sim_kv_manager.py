@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from workers.sim.hashing import BlockHasher, sha256_pickle, to_external
 from workers.sim.free_queue import FreeBlockQueue
 from workers.sim.kv_manager import KvBlockManager

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import yaml
 
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from workers.registry import get_backend
 from workers.trtllm.backend import TrtllmBackend, TrtllmLaunchError, llm_api_options, merge_options
 from workers.trtllm.kv_events import encode_events

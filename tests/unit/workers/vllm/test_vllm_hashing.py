@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from workers.kv_events import BlockStored
+from router.kv_events import BlockStored
 from workers.vllm.hashing import none_hash, to_external, vllm_block_digests, vllm_block_hashes
 from workers.vllm.kv_events import decode_pub_frames
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from workers.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventDecodeError
+from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventDecodeError
 from workers.vllm.kv_events import (
     END_SEQ,
     decode_payload,

@@ -6,7 +6,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.kv_events import KvEventBatch, KvEventDecodeError
+from router.kv_events import KvEventBatch, KvEventDecodeError
 from workers.vllm.kv_events import decode_payload
 
 _scalars = st.one_of(

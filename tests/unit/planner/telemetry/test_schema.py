@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from workers.telemetry import PoolKey, TelemetryAggregator, TelemetryParseError, WorkerSample, parse_bucket
-from workers.telemetry.schema import bucket_from_fields
+from planner.telemetry import PoolKey, TelemetryAggregator, TelemetryParseError, WorkerSample, parse_bucket
+from planner.telemetry.schema import bucket_from_fields
 from workers.types import EngineMetrics
 
 

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.telemetry.redis_store import RedisTelemetryStore
-from workers.telemetry.schema import (PoolBucket, PoolKey, TelemetryBatch, TelemetryParseError, TelemetrySchema, WorkerSample,
+from planner.telemetry.redis_store import RedisTelemetryStore
+from planner.telemetry.schema import (PoolBucket, PoolKey, TelemetryBatch, TelemetryParseError, TelemetrySchema, WorkerSample,
                                       bucket_from_fields, parse_bucket)
-from workers.telemetry.targets import TargetsValidationError, parse_targets
+from planner.telemetry.targets import TargetsValidationError, parse_targets
 from workers.types import EngineMetrics
 
 FUZZ = settings(max_examples=300, deadline=None)

@@ -9,11 +9,11 @@
     targets.py      Targets (pydantic, versioned) + TargetsStore Protocol, in-memory and Redis
 """
 
-from workers.telemetry.aggregator import TelemetryAggregator
-from workers.telemetry.flusher import TelemetryFlusher
-from workers.telemetry.histogram import ITL_EDGES_MS, TTFT_EDGES_MS, Histogram
-from workers.telemetry.redis_store import RedisTelemetryStore
-from workers.telemetry.schema import (
+from planner.telemetry.aggregator import TelemetryAggregator
+from planner.telemetry.flusher import TelemetryFlusher
+from planner.telemetry.histogram import ITL_EDGES_MS, TTFT_EDGES_MS, Histogram
+from planner.telemetry.redis_store import RedisTelemetryStore
+from planner.telemetry.schema import (
     PoolBucket,
     PoolKey,
     PoolStats,
@@ -24,8 +24,8 @@ from workers.telemetry.schema import (
     merge_buckets,
     parse_bucket,
 )
-from workers.telemetry.store import InMemoryTelemetryStore, TelemetryStore, TelemetryUnavailableError
-from workers.telemetry.targets import (
+from planner.telemetry.store import InMemoryTelemetryStore, TelemetryStore, TelemetryUnavailableError
+from planner.telemetry.targets import (
     InMemoryTargetsStore,
     PoolTarget,
     RedisTargetsStore,

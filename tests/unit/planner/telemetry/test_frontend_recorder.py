@@ -7,7 +7,7 @@ import time
 from types import SimpleNamespace
 
 from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_store
-from workers.telemetry import InMemoryTelemetryStore, PoolKey, RedisTelemetryStore, merge_buckets
+from planner.telemetry import InMemoryTelemetryStore, PoolKey, RedisTelemetryStore, merge_buckets
 from workers.types import EngineMetrics, WorkerInfo, WorkerRole
 
 

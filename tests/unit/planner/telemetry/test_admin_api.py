@@ -7,7 +7,7 @@ import pytest
 from fastapi import FastAPI
 
 from orchestrator.routes import make_admin_router
-from workers.telemetry import InMemoryTargetsStore, InMemoryTelemetryStore
+from planner.telemetry import InMemoryTargetsStore, InMemoryTelemetryStore
 
 TOKEN = "s3cret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

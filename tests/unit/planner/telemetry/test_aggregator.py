@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.telemetry import PoolKey, TelemetryAggregator, TelemetrySchema, merge_buckets
+from planner.telemetry import PoolKey, TelemetryAggregator, TelemetrySchema, merge_buckets
 from workers.types import EngineMetrics, WorkerInfo, WorkerRole
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from workers.telemetry.schema import PoolBucket, PoolKey, TelemetryBatch, TelemetrySchema, WorkerSample
+from planner.telemetry.schema import PoolBucket, PoolKey, TelemetryBatch, TelemetrySchema, WorkerSample
 
 __all__ = ["TelemetryStore", "TelemetryUnavailableError", "InMemoryTelemetryStore"]
 

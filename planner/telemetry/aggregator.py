@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from workers.telemetry.schema import PoolBucket, PoolKey, TelemetryBatch, TelemetrySchema, WorkerSample
+from planner.telemetry.schema import PoolBucket, PoolKey, TelemetryBatch, TelemetrySchema, WorkerSample
 from workers.types import EngineMetrics, WorkerInfo
 
 __all__ = ["TelemetryAggregator"]

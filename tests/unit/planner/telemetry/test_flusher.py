@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from workers.telemetry import InMemoryTelemetryStore, TelemetryAggregator, TelemetrySchema, TelemetryUnavailableError
-from workers.telemetry.flusher import TelemetryFlusher
+from planner.telemetry import InMemoryTelemetryStore, TelemetryAggregator, TelemetrySchema, TelemetryUnavailableError
+from planner.telemetry.flusher import TelemetryFlusher
 
 
 class FlakyStore(InMemoryTelemetryStore):

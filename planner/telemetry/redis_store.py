@@ -12,8 +12,8 @@ import json
 import logging
 import time
 
-from workers.telemetry.schema import PoolBucket, PoolKey, TelemetryBatch, TelemetryParseError, TelemetrySchema, WorkerSample, parse_bucket
-from workers.telemetry.store import TelemetryUnavailableError
+from planner.telemetry.schema import PoolBucket, PoolKey, TelemetryBatch, TelemetryParseError, TelemetrySchema, WorkerSample, parse_bucket
+from planner.telemetry.store import TelemetryUnavailableError
 
 __all__ = ["RedisTelemetryStore"]
 

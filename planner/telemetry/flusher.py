@@ -14,8 +14,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 
-from workers.telemetry.aggregator import TelemetryAggregator
-from workers.telemetry.store import TelemetryStore, TelemetryUnavailableError
+from planner.telemetry.aggregator import TelemetryAggregator
+from planner.telemetry.store import TelemetryStore, TelemetryUnavailableError
 from workers.types import EngineMetrics, WorkerInfo
 
 __all__ = ["TelemetryFlusher"]

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from workers.telemetry import (
+from planner.telemetry import (
     InMemoryTargetsStore,
     RedisTargetsStore,
     TargetsConflictError,

@@ -32,7 +32,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from urllib.parse import quote, unquote
 
-from workers.telemetry.histogram import ITL_EDGES_MS, TTFT_EDGES_MS, Histogram
+from planner.telemetry.histogram import ITL_EDGES_MS, TTFT_EDGES_MS, Histogram
 from workers.types import EngineMetrics, WorkerRole
 
 __all__ = [

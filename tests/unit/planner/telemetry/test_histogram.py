@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from workers.telemetry.histogram import ITL_EDGES_MS, TTFT_EDGES_MS, Histogram, log_edges
+from planner.telemetry.histogram import ITL_EDGES_MS, TTFT_EDGES_MS, Histogram, log_edges
 
 
 def test_edges_are_log_spaced_and_cover_the_range():
