@@ -16,7 +16,7 @@ ISL) and TPOT (mean inter-token latency of the request) <= --itl-ms. KV hand-off
 model, bytes per token from the model geometry (Llama-3.1-8B, BF16 KV: 128 KiB) at --kv-bandwidth-gbs
 (100: one node over NVLink, as Dynamo's one-node figure) plus --kv-latency-ms. The defaults, 200 ms and 10 ms,
 are the targets of Dynamo's own SLA-planner goodput test for this model and GPU (Llama-3.1-8B-FP8 on
-H200, reference/dynamo.md); the factor only matters where the prompt alone cannot be prefilled in
+H200); the factor only matters where the prompt alone cannot be prefilled in
 100 ms (ISL >= ~5k), so long prompts are not ruled out by physics.
 Goodput per GPU of a mode = the highest Poisson request rate per GPU at which at least --attainment of
 the requests (after a warm-up) meet both SLOs (DistServe's definition), found by bisection in log

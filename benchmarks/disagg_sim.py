@@ -25,7 +25,7 @@ Modes (the same GPUs, the same requests):
   released. The client's first token is the decode worker's first (the prefill's own token is
   discarded, as in vLLM's P/D proxy).
 - ``conditional``: as ``disagg``, but the decode worker prefills locally (the request runs there
-  whole, as in ``agg``) when Dynamo's ``IslOrLoad`` rule says so (reference/dynamo.md §3):
+  whole, as in ``agg``) when Dynamo's ``IslOrLoad`` rule says so:
   ``eff_isl < isl_threshold and eff_isl / prompt < ratio_threshold`` with ``eff_isl = prompt - the
   decode worker's prefix hit``, or the chosen prefill worker's queued prefill tokens exceed
   ``queue_threshold x max_num_batched_tokens``.

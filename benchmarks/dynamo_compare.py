@@ -8,7 +8,7 @@ profile (measured by Dynamo's profiler; kvyard's sim bundles the same data):
   kvyard   `kvyard up --policy {round-robin,kv}` over sim engines (benchmarks/routing.py's Cluster).
   Dynamo   `python -m dynamo.mocker --num-workers 8 --planner-profile-data perf_data.npz` and
            `python -m dynamo.frontend --router-mode {round-robin,kv}`, file discovery, TCP request plane,
-           ZMQ event plane: no etcd, no NATS (shared/reference/tools.md §3 and its Addendum). The profile is
+           ZMQ event plane: no etcd, no NATS. The profile is
            converted by Dynamo's own converter (dynamo.mocker.utils.planner_profiler_perf_data_converter)
            with a stand-in `aisimulate_core` package on PYTHONPATH (the real one is not on PyPI; the
            conversion only uses Dynamo's regression code).

@@ -1,6 +1,6 @@
 """PlannerConfig: one typed tree, built at the entry point (CLI/YAML); nothing below reads env.
 
-Defaults follow Dynamo's planner where it has one (reference/dynamo.md §4): TTFT 500 ms and ITL
+Defaults follow Dynamo's planner where it has one: TTFT 500 ms and ITL
 50 ms when a pool's targets leave them out, min 1 replica. Ours: tick every 60 s over a 60 s
 telemetry window, at most 4 replicas added or removed per pool per tick, no scale-down within 300 s
 of the pool's last change and never below the highest count wanted in the last 300 s (Kubernetes

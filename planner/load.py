@@ -1,6 +1,6 @@
 """Load mode: one replica up or down per tick from queue, KV-usage and observed-latency thresholds.
 
-Dynamo's 'easy mode' (reference/dynamo.md §4): scale up if ANY worker crosses an up-threshold,
+Dynamo's 'easy mode' (its load-based planner): scale up if ANY worker crosses an up-threshold,
 down only if ALL are below the down-thresholds. Signals by role:
     prefill  waiting requests per worker; observed TTFT p90 vs target
     decode   KV usage and waiting requests per worker; observed ITL p90 vs target

@@ -7,7 +7,7 @@
               = xxh3_64(LE u64 parent || LE u64 local[0], 1337)    continuing after `parent`
     seq[i]    = xxh3_64(LE u64 seq[i-1] || LE u64 local[i], 1337)
 
-This is Dynamo's scheme (reference/dynamo.md §2.1; `lib/kv-router/src/protocols.rs`), so the
+This is Dynamo's scheme (`lib/kv-router/src/protocols.rs`), so the
 same prompt gives the same ids in both. Each id names the whole prefix up to its block, so a
 prefix index can be a flat map. A trailing partial block is never hashed.
 

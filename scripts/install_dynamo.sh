@@ -5,7 +5,7 @@
 # Why not `pip install ai-dynamo`: 1.6.1 pins aisimulate==0.13.0, whose PyPI release is a wheel stub that
 # downloads from NVIDIA's own index (URLError here). So: the runtime (Rust core, abi3 wheel) with the
 # dependencies the frontend and mocker import, then ai-dynamo itself with --no-deps, plus scikit-learn for
-# the mocker's profile converter (shared/reference/tools.md §3 and its Addendum).
+# the mocker's profile converter.
 #
 # Idempotent: if .venv-dynamo already imports dynamo.frontend and dynamo.mocker at 1.6.1, nothing is done.
 # Usage: scripts/install_dynamo.sh [VENV_DIR]   (default: <repo>/.venv-dynamo; PYTHON overrides python3)

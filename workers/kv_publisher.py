@@ -1,4 +1,4 @@
-"""KV-event publishing over ZMQ, exactly like vLLM 0.32's `ZmqEventPublisher` (engines.md §1).
+"""KV-event publishing over ZMQ, exactly like vLLM 0.32's `ZmqEventPublisher` (vllm/distributed/kv_events.py).
 
 Used by the sim engine (`workers/sim`) and by the TensorRT-LLM worker's event relay
 (`workers/trtllm/relay.py`), which republishes the events it drains from trtllm-serve.

@@ -1,6 +1,6 @@
 """Conditional disaggregation: run this request's prefill on a prefill worker, or locally on decode?
 
-Pure and synchronous. Dynamo's rule (reference/dynamo.md §3, conditional_disagg.rs) is the baseline:
+Pure and synchronous. Dynamo's rule (its router's `conditional_disagg.rs`) is the baseline:
 
     eff_isl = prompt_tokens - decode_overlap_blocks · block_size      (the part decode lacks)
     local  when  eff_isl < max_local_isl (2048)  and  eff_isl / prompt_tokens < max_local_ratio (0.7)

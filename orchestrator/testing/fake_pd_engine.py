@@ -1,7 +1,7 @@
 """In-process fake engines speaking the three P/D hand-off protocols, for the disagg coordinator tests.
 
 Not a simulator (workers/sim is): each fake checks the hand-off fields the real engine checks
-(reference/engines.md §3-5), records every request it got, and scripts failures (an HTTP status
+(workers/{vllm,sglang,trtllm}/handoff.py), records every request it got, and scripts failures (an HTTP status
 for every request or the first few, a slow prefill, a malformed answer). Prefill and decode fakes
 of one test share a `HandoffBook`, standing in for the engines' side channel (NIXL / bootstrap server / cache transceiver):
 

@@ -1,4 +1,4 @@
-"""SGLang's P/D hand-off (reference/engines.md §4, the sgl-model-gateway PD router and Dynamo).
+"""SGLang's P/D hand-off (as the sgl-model-gateway PD router and Dynamo do it).
 
 One body goes to the prefill and the decode engine at the same time:
     the client's body + bootstrap_host (the prefill engine's host), bootstrap_port (its

@@ -1,6 +1,6 @@
 """SGLang's KV-cache event wire format (ZMQ + msgpack), decode and encode.
 
-Wire (SGLang 0.5.23, `srt/disaggregation/kv_events.py`; reference/engines.md §4):
+Wire (SGLang 0.5.23, `srt/disaggregation/kv_events.py`):
   PUB message  = [topic, seq (8-byte big-endian), payload]          (same frames as vLLM)
   payload      = msgpack [ts: float, events: list, attn_dp_rank: int|None]
   event        = tagged map {"type": "BlockStored", ...} (0.5.23) or tagged array ["BlockStored", ...] (older)

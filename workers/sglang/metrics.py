@@ -1,6 +1,6 @@
 """SGLang's Prometheus `/metrics` (needs `--enable-metrics`), read into kvyard's EngineMetrics.
 
-Names (SGLang 0.5.23, `srt/observability/metrics_collector.py`; reference/engines.md §4), labels
+Names (SGLang 0.5.23, `srt/observability/metrics_collector.py`), labels
 `engine_type`, `model_name`, `tp_rank`:
     sglang:num_running_reqs, num_queue_reqs            gauges -> running / waiting
     sglang:num_decode_prealloc_queue_reqs, num_decode_transfer_queue_reqs,

@@ -1,8 +1,8 @@
 """`python -m workers.sim ...`: run the simulated vLLM server (flags: see `workers.sim.config`).
 
 The only place the sim reads the environment: PYTHONHASHSEED, which vLLM uses as the NONE_HASH
-seed for block hashes when set (engines.md §1), so the sim's published hashes match vLLM's; and
-VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, where a vLLM-flavor prefill serves its KV (engines.md §3); and
+seed for block hashes when set (vLLM's PYTHONHASHSEED), so the sim's published hashes match vLLM's; and
+VLLM_NIXL_SIDE_CHANNEL_HOST/PORT, where a vLLM-flavor prefill serves its KV (vLLM's NixlConnector); and
 VLLM_ALLOW_RUNTIME_LORA_UPDATING, which adds the LoRA load/unload routes (workers/sim/adapters.py).
 """
 

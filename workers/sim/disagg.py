@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation in the sim: the three engines' hand-off protocols on one transfer model.
 
-Roles (who prefills, who decodes) and wire fields are each engine's own (reference/engines.md §3-5):
+Roles (who prefills, who decodes) and wire fields are each engine's own (workers/{vllm,sglang,trtllm}/handoff.py):
 
 - **vLLM (NixlConnector)**, enabled by `--kv-transfer-config '{"kv_connector":"NixlConnector",...}'`.
   A request whose `kv_transfer_params.do_remote_decode` is true is a *prefill*: it runs, its blocks

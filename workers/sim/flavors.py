@@ -1,6 +1,6 @@
 """What the sim exposes when it plays SGLang or TensorRT-LLM instead of vLLM (`--flavor`).
 
-SGLang (engines.md §4, `observability/metrics_collector.py`):
+SGLang (`srt/observability/metrics_collector.py`):
 - `/metrics` in SGLang's names, labels `engine_type` (unified|prefill|decode), `model_name`, `tp_rank`:
   gauges `sglang:num_running_reqs`, `num_queue_reqs` (waiting, without decode requests whose KV is in
   flight), `num_used_tokens`, `token_usage`, `cache_hit_rate`, `gen_throughput` (tokens/s since the
@@ -16,7 +16,7 @@ SGLang (engines.md §4, `observability/metrics_collector.py`):
   sha256 over little-endian uint32 token ids), which only matters to a consumer that recomputes them.
   SGLang's `--kv-events-config` has no `enable_kv_cache_events`: `"publisher":"zmq"` turns it on.
 
-TensorRT-LLM (engines.md §5, `serve/openai_server.py`):
+TensorRT-LLM (`serve/openai_server.py`):
 - `POST /kv_cache_events`: the buffered events as trtllm-serve's JSON list, drained per call
   (`workers.trtllm.kv_events.encode_events`); the buffer keeps the newest 10000 events (an
   `event_id` gap tells the consumer some were lost).

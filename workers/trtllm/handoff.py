@@ -1,4 +1,4 @@
-"""TensorRT-LLM's P/D hand-off, context first (reference/engines.md §5, serve/openai_disagg_service.py).
+"""TensorRT-LLM's P/D hand-off, context first (serve/openai_disagg_service.py).
 
     context body    = the client's body with disaggregated_params = {request_type: "context_only",
                       disagg_request_id}, stream = false, stream_options = None

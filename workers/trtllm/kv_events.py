@@ -1,7 +1,7 @@
 """TensorRT-LLM's KV-cache events (JSON over HTTP), decoded into engine-neutral events.
 
 Source: `POST /kv_cache_events` on trtllm-serve drains the engine's event queue and answers a JSON
-list (serialiser `tensorrt_llm._utils.KVCacheEventSerializer`; reference/engines.md §5):
+list (serialiser `tensorrt_llm._utils.KVCacheEventSerializer`):
 
     {"event_id": int, "window_size": int, ["attention_dp_rank": int], "data": one of
       {"type": "created", "num_blocks_per_cache_level": [...]}                 -> AllBlocksCleared

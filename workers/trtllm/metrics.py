@@ -1,6 +1,6 @@
 """TensorRT-LLM's metrics, read into kvyard's EngineMetrics.
 
-trtllm-serve has two endpoints (reference/engines.md §5, `serve/openai_server.py`):
+trtllm-serve has two endpoints (`serve/openai_server.py`):
 - `GET /prometheus/metrics`, served when the LLM API option `return_perf_metrics` is on (kvyard's
   YAML turns it on): Prometheus text, prefix `trtllm_` (`tensorrt_llm/metrics/collector.py`), label
   `model_name`: gauges `trtllm_num_requests_running`, `trtllm_num_requests_waiting`,

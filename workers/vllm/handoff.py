@@ -1,4 +1,4 @@
-"""vLLM's P/D hand-off (NixlConnector), as its toy proxy and Dynamo do it (reference/engines.md §3).
+"""vLLM's P/D hand-off (NixlConnector), as its toy proxy and Dynamo do it.
 
     prefill body = the client's body with
         kv_transfer_params = {do_remote_decode: true, do_remote_prefill: false, remote_engine_id: null,

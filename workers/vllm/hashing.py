@@ -1,4 +1,4 @@
-"""vLLM's prefix-cache block hashes, recomputed outside the engine (engines.md §1).
+"""vLLM's prefix-cache block hashes, recomputed outside the engine (vllm/v1/core/kv_cache_utils.py).
 
 vLLM 0.32 with the default `--prefix-caching-hash-algo sha256`, `vllm/v1/core/kv_cache_utils.py`:
 

@@ -1,4 +1,4 @@
-"""vLLM's Prometheus `/metrics` text -> `EngineMetrics` (engines.md §2, vLLM 0.32 names).
+"""vLLM's Prometheus `/metrics` text -> `EngineMetrics` (vLLM 0.32's names).
 
 Samples are matched on their exposed name (counters keep their `_total` suffix) and summed over
 all label sets, i.e. over `engine` (data-parallel ranks) and `model_name`, except the KV-cache

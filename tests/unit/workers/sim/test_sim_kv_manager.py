@@ -24,7 +24,7 @@ def alloc(kv: KvBlockManager, rid: str, tokens: list[int], computed: int = 0, hi
 @pytest.mark.parametrize(
     "tokens,block_size,expected",
     [
-        # captured from a live vLLM 0.32 server (engines.md §1): tokens 1..64, block size 32
+        # captured from a live vLLM 0.32 server (tests/fixtures/vllm/capture.py): tokens 1..64, block size 32
         (list(range(1, 65)), 32, [11290800355336220572, 11189021207153552290]),
         (list(range(1, 70)), 32, [11290800355336220572, 11189021207153552290]),  # partial block not hashed
         (list(range(1, 32)), 32, []),
