@@ -32,7 +32,7 @@ from workers.multimodal import ContentError, MmTokenSpec, flatten_messages
 
 __all__ = ["PromptPreparer", "INLINE_CHARS"]
 
-INLINE_CHARS = 4096  # up to here a prompt is tokenized on the loop (about 1.5 ms on this machine; a thread hop is not worth it)
+INLINE_CHARS = 4096  # up to here a prompt is tokenized on the loop (a thread hop would cost more than the encode)
 
 
 def _too_long(ctx: int, n: int | None, chars: int | None, param: str) -> ContextLengthError:

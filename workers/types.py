@@ -129,8 +129,8 @@ class EngineLaunchConfig:
     env: dict[str, str] = field(default_factory=dict)
     # Linux CPUs the engine and every thread and child of it may run on (workers/process.py); None: any CPU.
     # On a CPU host this keeps cores for the frontend: vLLM's NixlConnector runs NIXL's UCX progress thread
-    # busy-polling, one core per engine, and two such engines on a 2-core host starved the frontend: requests up to
-    # 32 s, 9 loop stalls in 12 requests, vs 0.6 s and none pinned (benchmarks/results/pd_vllm_pinning.md).
+    # busy-polling, one core per engine, and two such engines on a 2-core host starved the frontend (docs/benchmarks.md,
+    # "Real vLLM-CPU P/D over NIXL").
     cpus: frozenset[int] | None = None
 
 

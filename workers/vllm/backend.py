@@ -111,8 +111,8 @@ class VllmBackend:
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; plenty for the test models
             # vLLM-CPU's default ("auto") pins each engine's threads to cores as if it owned the machine:
             # co-located engines (a P/D pair on one box) then share pinned cores, and NIXL's UCX thread of
-            # a started decode engine, polling on core 0, starved its prefill peer pinned there for > 10 min
-            # (measured on 2 cores). Let the OS scheduler place them.
+            # a started decode engine, polling on core 0, starved its prefill peer pinned there. Let the OS
+            # scheduler place them.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_HOST_IP": _host_ip(cfg.host),
             "HF_HUB_OFFLINE": "1",
