@@ -14,8 +14,7 @@ Values are summed over label sets (one per TP/DP rank); non-finite values are ig
 
 from __future__ import annotations
 
-import math
-
+from workers.prom_text import samples_by_name
 from workers.types import EngineMetrics
 
 __all__ = ["SGLANG_FIELDS", "parse_sglang_metrics"]
@@ -34,19 +33,7 @@ SGLANG_FIELDS: dict[str, tuple[str, ...]] = {
 
 def parse_sglang_metrics(text: str) -> EngineMetrics:
     """SGLang's Prometheus text -> EngineMetrics (summed over label sets; token_usage averaged). Never raises."""
-    values: dict[str, list[float]] = {}
-    if not isinstance(text, str):
-        return EngineMetrics()
-    for line in text.splitlines():
-        if not line.startswith("sglang:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        try:
-            v = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(v):
-            values.setdefault(name, []).append(v)
+    values = samples_by_name(text, "sglang:")
     out = EngineMetrics()
     for fld, names in SGLANG_FIELDS.items():
         got = [v for n in names for v in values.get(n, ())]

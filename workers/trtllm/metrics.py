@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 
+from workers.prom_text import samples_by_name
 from workers.types import EngineMetrics
 
 __all__ = ["TRTLLM_PROMETHEUS_FIELDS", "parse_trtllm_metrics", "parse_trtllm_prometheus", "parse_trtllm_stats"]
@@ -32,17 +33,7 @@ TRTLLM_PROMETHEUS_FIELDS: dict[str, str] = {
 
 def parse_trtllm_prometheus(text: str) -> EngineMetrics:
     """`/prometheus/metrics` text -> EngineMetrics (gauges summed over label sets; utilisation averaged)."""
-    values: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        if not line.startswith("trtllm_"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        try:
-            v = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(v):
-            values.setdefault(name, []).append(v)
+    values = samples_by_name(text, "trtllm_")
     out = EngineMetrics()
     for fld, name in TRTLLM_PROMETHEUS_FIELDS.items():
         got = values.get(name)

@@ -19,13 +19,13 @@ import json
 from pathlib import Path
 
 from router.kv_events import KvEventBatch
+from workers.engine_env import EngineNotInstalledError, find_venv_python
 from workers.types import EngineLaunchConfig, EngineMetrics, LaunchSpec
 from workers.vllm.kv_events import decode_pub_frames
 from workers.vllm.metrics import parse_vllm_metrics
 
-__all__ = ["kv_events_config", "server_args", "VllmBackend", "VllmLaunchError", "VllmNotInstalledError", "find_vllm_python", "REPO_ROOT"]
+__all__ = ["kv_events_config", "server_args", "VllmBackend", "VllmLaunchError", "VllmNotInstalledError", "find_vllm_python"]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_NAME = ".venv-vllm"
 CPU_BLOCK_MULTIPLE = 32
 
@@ -34,23 +34,12 @@ class VllmLaunchError(ValueError):
     """The launch config cannot work with vLLM on this device."""
 
 
-class VllmNotInstalledError(FileNotFoundError):
-    """No interpreter with vLLM was given or found."""
+VllmNotInstalledError = EngineNotInstalledError  # no interpreter with vLLM was given or found
 
 
 def find_vllm_python(search: list[Path] | None = None) -> str:
     """The interpreter of the first `.venv-vllm` found under the repo root or the CWD."""
-    roots = search if search is not None else [REPO_ROOT, Path.cwd()]
-    tried = []
-    for root in roots:
-        candidate = Path(root) / VENV_NAME / "bin" / "python"
-        tried.append(str(candidate))
-        if candidate.exists():
-            return str(candidate)
-    raise VllmNotInstalledError(
-        "no vLLM interpreter: pass EngineLaunchConfig.python, or run scripts/install_vllm.sh "
-        f"to create {VENV_NAME} (looked for {', '.join(tried)})"
-    )
+    return find_venv_python(VENV_NAME, "scripts/install_vllm.sh", search)
 
 
 def _host_ip(host: str) -> str:

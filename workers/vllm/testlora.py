@@ -1,7 +1,7 @@
 """Build a tiny PEFT-format LoRA adapter for the tiny random Llama (workers/vllm/testmodel.py).
 
-Standalone on purpose, like testmodel.py: it runs under any interpreter with `safetensors` and numpy
-(the engine's own, or kvyard's), with no kvyard imports,
+Standalone on purpose, like testmodel.py (whose folder publishing it shares): it runs under any interpreter with
+`safetensors` and numpy (the engine's own, or kvyard's), with no kvyard imports,
 
     python workers/vllm/testlora.py MODEL_DIR OUTDIR [SEED]
 
@@ -20,11 +20,13 @@ complete folder (its `.kvyard-testlora` marker names the seed) is left as it is.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling testmodel.py, standalone too
+from testmodel import publish_dir  # noqa: E402
 
 MARKER = ".kvyard-testlora"
 RANK = 8
@@ -76,12 +78,7 @@ def build(model_dir: Path, out: Path, seed: int = 1) -> bool:
             "use_rslora": False, "use_dora": False,
         }  # fmt: skip
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2, sort_keys=True) + "\n")
-        for path in [tmp, *tmp.iterdir()]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        (tmp / MARKER).write_text(f"{seed}\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_dir(tmp, out, MARKER, str(seed))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -140,16 +140,22 @@ def build(out: Path) -> bool:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _write_tokenizer_config(tmp, tokenizer)
-        for path in [tmp, *tmp.iterdir()]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        (tmp / MARKER).write_text(VERSION + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_dir(tmp, out, MARKER, VERSION)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return True
+
+
+def publish_dir(tmp: Path, out: Path, marker: str, stamp: str) -> None:
+    """Make a finished build in `tmp` readable by the engine's user, stamp it (`marker` file), and move it to `out`
+    in one rename, so a reader never sees a half-built folder."""
+    for path in [tmp, *tmp.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    (tmp / marker).write_text(stamp + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
 
 
 def main(argv: list[str]) -> int:
