@@ -26,7 +26,7 @@ import uvicorn
 from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
 from orchestrator.tokenizer import load_tokenizer
-from orchestrator.testing import free_port
+from orchestrator.testing import ThreadedEngine, free_port
 from workers.discovery import InMemoryDiscovery
 from workers.sim.backend import SIM_TOKENIZER_DIR
 from workers.types import WorkerInfo
@@ -197,20 +197,17 @@ async def test_frozen_worker_never_hangs_a_request(cluster):
 # ---- exactness against a real engine: a continuation decodes the same tokens as an unbroken stream ----
 
 
-class BreakingProxy:
+class BreakingProxy(ThreadedEngine):
     """Forwards POSTs to an engine and drops the client connection after `after` SSE events, once
     `go` is set (so the test can bring up the second worker while the stream is paused)."""
 
     def __init__(self, upstream: str, after: int) -> None:
-        from starlette.applications import Starlette
         from starlette.responses import StreamingResponse
         from starlette.routing import Route
 
         self.upstream, self.after = upstream, after
         self.relayed = 0
         self.go = threading.Event()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
 
         async def forward(request):
             body = await request.body()
@@ -238,21 +235,12 @@ class BreakingProxy:
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
-        app = Starlette(routes=[Route("/v1/completions", forward, methods=["POST"]),
-                                Route("/v1/chat/completions", forward, methods=["POST"])])
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.01)
-        return self
+        self._serve_routes([Route("/v1/completions", forward, methods=["POST"]),
+                            Route("/v1/chat/completions", forward, methods=["POST"])])
 
     def __exit__(self, *exc):
         self.go.set()
-        self._server.should_exit = True
-        self._thread.join(10)
+        super().__exit__(*exc)
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])

@@ -76,15 +76,22 @@ def test_bad_inputs():
         FairQueue().push(1, weight=0)
 
 
+def _recorder(ctl: AdmissionController, order: list[str]):
+    """A coroutine factory: admit one request of `key` in `cls`, note its tag when granted, release."""
+
+    async def one(tag: str, key: str, cls: str = "normal") -> None:
+        t = await ctl.admit("m", key, cls)
+        order.append(tag)
+        t.release()
+
+    return one
+
+
 async def test_admission_grants_high_before_normal_and_shares_within_a_class():
     ctl = AdmissionController(max_inflight=1, max_queued=100, queue_timeout_s=5)
     holder = await ctl.admit("m")
     order: list[str] = []
-
-    async def one(tag, key, cls="normal"):
-        t = await ctl.admit("m", key, cls)
-        order.append(tag)
-        t.release()
+    one = _recorder(ctl, order)
 
     tasks = [asyncio.create_task(one(f"flood{i}", "flood")) for i in range(6)]
     await asyncio.sleep(0.01)
@@ -102,11 +109,7 @@ async def test_admission_fifo_when_fair_share_is_off():
     ctl = AdmissionController(max_inflight=1, max_queued=100, queue_timeout_s=5, fair=False)
     holder = await ctl.admit("m")
     order: list[str] = []
-
-    async def one(tag, key, cls="normal"):
-        t = await ctl.admit("m", key, cls)
-        order.append(tag)
-        t.release()
+    one = _recorder(ctl, order)
 
     tasks = [asyncio.create_task(one(f"flood{i}", "flood")) for i in range(4)]
     await asyncio.sleep(0.01)
