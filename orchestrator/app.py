@@ -20,6 +20,7 @@ from orchestrator.routes import (
     make_admin_router,
     make_cluster_router,
     make_dashboard_router,
+    make_forwarded_router,
     make_openai_router,
     make_ops_router,
 )
@@ -35,6 +36,7 @@ from orchestrator.security import (
 )
 from orchestrator.routing import build_router
 from orchestrator.security.origin import HostOriginGuard, default_allowed_hosts
+from orchestrator.passthrough import PassThrough
 from orchestrator.service import InferenceService
 from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_store
 from router.events import KvEventIngestor
@@ -140,6 +142,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
                        on_refused=lambda code: metrics.requests.labels("", "host_origin_check", "403").inc())
     install_error_handlers(app, on_error=count_error)
     app.include_router(make_openai_router(service, guard, pool, cfg.max_body_bytes, cfg.lora))
+    app.include_router(make_forwarded_router(PassThrough(service), guard, pool, cfg.max_body_bytes))
     app.include_router(make_ops_router(pool, metrics))
     app.include_router(make_cluster_router(admin, pool, router, ingestor, service))
     app.include_router(make_dashboard_router(admin))  # GET /api/pools: an admin read
