@@ -105,15 +105,15 @@ def _messages(body: _ResponsesBody, previous: list[dict[str, str]]) -> list[dict
 def _response(rid: str, created: int, body: _ResponsesBody, model: str, max_tokens: int, status: str, text: str | None,
               msg_id: str, usage: dict | None, incomplete: str | None = None) -> dict[str, Any]:
     output = [] if text is None else [{"id": msg_id, "content": [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}],
-                                       "role": "assistant", "status": "completed", "type": "message"}]
+                                       "role": "assistant", "status": "completed", "type": "message", "phase": None}]
     return {
         "id": rid, "created_at": created, "incomplete_details": {"reason": incomplete} if incomplete else None,
         "instructions": body.instructions, "metadata": body.metadata, "model": model, "object": "response", "output": output,
-        "parallel_tool_calls": True, "temperature": 1.0 if body.temperature is None else body.temperature, "tool_choice": "auto",
+        "parallel_tool_calls": True, "temperature": 1.0 if body.temperature is None else body.temperature, "tool_choice": "none",
         "tools": [], "top_p": 1.0 if body.top_p is None else body.top_p, "background": False, "max_output_tokens": max_tokens,
         "max_tool_calls": None, "previous_response_id": body.previous_response_id, "prompt": None, "reasoning": None,
         "service_tier": "auto", "status": status, "text": None, "top_logprobs": None, "truncation": "disabled", "usage": usage,
-        "user": body.user, "presence_penalty": None, "frequency_penalty": None, "kv_transfer_params": None,
+        "user": body.user, "presence_penalty": 0.0, "frequency_penalty": 0.0, "kv_transfer_params": None,
         "ec_transfer_params": None, "input_messages": None, "output_messages": None,
     }  # fmt: skip
 
@@ -187,7 +187,7 @@ async def create_response(request: Request) -> Response:
                 shell = _response(rid, created, body, model, max_tokens, "in_progress", None, msg_id, None)
                 parts += [ev("response.created", response=shell), ev("response.in_progress", response=shell),
                           ev("response.output_item.added", output_index=0,
-                             item={"id": msg_id, "content": [], "role": "assistant", "status": "in_progress", "type": "message"}),
+                             item={"id": msg_id, "content": [], "role": "assistant", "status": "in_progress", "type": "message", "phase": None}),
                           ev("response.content_part.added", output_index=0, item_id=msg_id, content_index=0,
                              part={"annotations": [], "text": "", "type": "output_text", "logprobs": []})]
             toks, finish_reason = await stream.next()
@@ -289,4 +289,5 @@ async def embeddings(request: Request) -> Response:
         data.append({"index": i, "object": "embedding", "embedding": emb})
     n = sum(len(ids) for ids in id_lists)
     return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": st.cfg.model_name,
-                         "data": data, "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}})
+                         "data": data, "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None,
+                                   "completion_tokens_details": None}})
