@@ -140,6 +140,7 @@ class PassThrough:
             self.metrics.admission_wait.labels(model).observe(ticket.queued_s)
         rid = request.headers.get("x-request-id") or f"kvy-{uuid.uuid4().hex}"
         rreq = RouteRequest(request_id=rid, model=model, token_ids=[], max_tokens=0, session_id=session)
+        svc.tracing.annotate(**{"kvyard.request_id": rid, "kvyard.model": model})
         booked = False
         self.metrics.inflight.labels(model).inc()
         try:
@@ -149,6 +150,7 @@ class PassThrough:
                 raise ServiceUnavailableError(f"no worker is ready to serve `{model}`; retry shortly", retry_after=svc.retry_after_s) from exc
             booked = True
             self.metrics.decision_time.observe(self.router.last_decision_s)
+            svc.tracing.route(decision, len(decision.ranked), self.router.last_decision_s)
             worker, resp = await svc.send_ranked(rreq, decision.ranked, ep.path, json.dumps(body).encode(), stream)
             self.metrics.routed.labels(model, worker.worker_id, decision.policy).inc()
         except BaseException:

@@ -62,6 +62,7 @@ from orchestrator.resilience.migration import (
 )
 from orchestrator.sessions import session_id_of
 from orchestrator.telemetry_recorder import FrontendTelemetry
+from orchestrator.tracing import Tracing
 from orchestrator.streaming import StreamStats, relay_sse, sse_error_event
 from router import Endpoint, NoEndpointsError, RouteRequest, Router
 from workers.types import WorkerInfo
@@ -124,6 +125,7 @@ class InferenceService:
         self.metrics = metrics
         self.client = EngineClient(cfg.resilience.connect_timeout_s)
         self.telemetry: FrontendTelemetry | None = None  # set by the app when telemetry is on
+        self.tracing = Tracing.off()  # set by the app when tracing is on (orchestrator/tracing.py)
         self.rng = random.Random()
         rc, ac = cfg.resilience, cfg.admission
         self.breakers = BreakerBoard(rc.breaker_failure_threshold, rc.breaker_open_s, rc.breaker_max_open_s,
@@ -279,16 +281,19 @@ class InferenceService:
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
         ctx = self.pool.context_len(model) or info.max_model_len
         try:  # long prompts are tokenized off the loop (prepare.py)
-            ids, mm_items = await self.prep.prompt_ids(req, model, ctx, self.cfg.multimodal.spec())
+            with self.tracing.span("kvyard.tokenize"):  # tracing hook
+                ids, mm_items = await self.prep.prompt_ids(req, model, ctx, self.cfg.multimodal.spec())
             self.prep.check_lengths(req, ids, ctx)
             body, max_tokens = self.prep.fill_max_tokens(req, body, ids, ctx)
-            ticket = await self.admission.admit(model, key_id, *priority)
+            with self.tracing.span("kvyard.admission"):  # tracing hook
+                ticket = await self.admission.admit(model, key_id, *priority)
         except asyncio.CancelledError:  # the client left while its prompt was tokenized or it was queued
             self.metrics.requests.labels(model, "generate", "cancelled").inc()
             raise
         if ticket.queued_s:
             self.metrics.admission_wait.labels(model).observe(ticket.queued_s)
         rid = request_id or f"kvy-{uuid.uuid4().hex}"
+        self.tracing.annotate(**{"kvyard.request_id": rid, "kvyard.model": model, "kvyard.prompt_tokens": len(ids)})  # tracing hook
         booked = False
         try:
             endpoints = self.routable(model)
@@ -315,6 +320,7 @@ class InferenceService:
             ticket.release()
             raise
         self.metrics.decision_time.observe(self.router.last_decision_s)
+        self.tracing.route(decision, len(endpoints), self.router.last_decision_s)  # tracing hook
         if self.telemetry is not None:
             self.telemetry.on_arrival(model)
         self.metrics.isl.labels(model).observe(len(ids))
@@ -437,8 +443,9 @@ class InferenceService:
             remaining = self._remaining(d)
             if remaining <= 0:
                 break
+            sent_headers, span = self.tracing.attempt(ep, attempt, headers)  # tracing hook
             post = asyncio.ensure_future(self.client.post(
-                ep.url + path, payload, headers, min(read_timeout, remaining),
+                ep.url + path, payload, sent_headers, min(read_timeout, remaining),
                 headers_timeout_s=min(headers_timeout, remaining) if headers_timeout else None, total_s=remaining))
             inflight = self.hung.book(ep.worker_id)
             inflight.add(post)  # cancelled if the engine is found hung meanwhile
@@ -457,6 +464,7 @@ class InferenceService:
                 continue
             finally:
                 inflight.discard(post)
+                self.tracing.end_attempt(span, post)  # tracing hook
             inflight.add(resp)
             if resp.status_code >= 500:
                 last_error = f"{ep.worker_id}: HTTP {resp.status_code}"
@@ -542,7 +550,8 @@ class InferenceService:
                         continue
                     # the original stream's usage chunk already reached the client: the answer was complete
                     usage_sent = rewriter is None and stats.usage is not None and d.include_usage
-                    tail, rewriter = await self._migrate(d, tracker, migrations, rewriter, usage_sent)
+                    with self.tracing.span("kvyard.migration", **{"kvyard.from_worker": ep.worker_id, "kvyard.migration": migrations + 1}):  # tracing hook
+                        tail, rewriter = await self._migrate(d, tracker, migrations, rewriter, usage_sent)
                 except _Ended as end:
                     status = "engine_error"
                     yield sse_error_event(str(end))

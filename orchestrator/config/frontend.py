@@ -6,7 +6,7 @@
       resilience:  timeouts, retries, migration, circuit breakers (orchestrator/resilience)
       admission:   per-model queue and fleet saturation (orchestrator/resilience/admission.py)
       security:    admin token, API keys, rate-limit store, TLS (orchestrator/security)
-      telemetry:   per-pool telemetry for the planner
+      telemetry:   per-pool telemetry for the planner; request tracing (OpenTelemetry, telemetry.tracing)
       disagg:      disaggregated prefill/decode (orchestrator/disagg)
       lora, affinity, multimodal, fair_share:  LoRA adapters, session affinity, image/audio parts, admission order
                    (docs/features.md; each model lives next to its code)
@@ -26,6 +26,7 @@ from orchestrator.multimodal import MultimodalConfig
 from orchestrator.resilience.fairshare import FairShareConfig
 from orchestrator.sessions import AffinityConfig
 from orchestrator.request_fields import RequestFieldsConfig
+from orchestrator.tracing import TracingConfig
 from router.config import RouterConfig
 
 __all__ = ["FrontendConfig", "FrontendFile", "ResilienceConfig", "AdmissionConfig", "SecurityConfig", "TelemetryConfig", "DisaggConfig"]
@@ -95,12 +96,14 @@ class SecurityConfig(BaseModel):
 
 
 class TelemetryConfig(BaseModel):
-    """Per-pool telemetry the planner reads (Redis when redis_url is set, else in memory)."""
+    """Per-pool telemetry the planner reads (Redis when redis_url is set, else in memory), and request tracing."""
 
     model_config = _STRICT
 
     enabled: bool = Field(True, description="record per-pool telemetry")
     interval_s: float = Field(1.0, gt=0, description="flush interval")
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry request traces over OTLP "
+                                                                            "(orchestrator/tracing.py)")
 
 
 class DisaggConfig(BaseModel):

@@ -131,3 +131,23 @@ async def test_tokenize_and_detokenize(kvyard):
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
     bad = await http.post("/detokenize", content=b"[1,2]", headers={"content-type": "application/json"})
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_completions_echo_logprobs_n_and_batched_prompts(kvyard):
+    client, _, _ = kvyard
+    out = await client.completions.create(model="m", prompt=["Hello there", "Another prompt"], n=2, max_tokens=3, logprobs=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]  # prompt p's sample i is choice p * n + i, as vLLM numbers them
+    assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 3 for c in out.choices)
+    assert all(len(top) == 2 for c in out.choices for top in c.logprobs.top_logprobs)
+    echo = await client.completions.create(model="m", prompt="Hello there", echo=True, max_tokens=2)
+    assert echo.choices[0].text.startswith("Hello there")
+    seen: dict[int, str] = {}
+    async for chunk in await client.completions.create(model="m", prompt=["a b c", "d e f"], n=2, max_tokens=3, stream=True):
+        for c in chunk.choices:
+            seen[c.index] = seen.get(c.index, "") + c.text
+    assert sorted(seen) == [0, 1, 2, 3] and all(seen.values())
+    chat = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True,
+                                                top_logprobs=2)
+    assert chat.choices[0].logprobs.content and all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+    with pytest.raises(openai.BadRequestError):  # vLLM's max_logprobs
+        await client.completions.create(model="m", prompt="x", max_tokens=2, logprobs=21)
