@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
+from orchestrator.access_log import AccessLogMiddleware
 from orchestrator.config import FrontendConfig
 from orchestrator.disagg import DisaggCoordinator
 from orchestrator.errors import install_error_handlers
@@ -144,6 +145,8 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
     allowed_hosts = frozenset(sec.allowed_hosts) if sec.allowed_hosts is not None else default_allowed_hosts(cfg.host)
     app.add_middleware(HostOriginGuard, allowed_hosts=allowed_hosts, allowed_origins=frozenset(sec.allowed_origins),
                        on_refused=lambda code: metrics.requests.labels("", "host_origin_check", "403").inc())
+    if cfg.log_requests:  # one access-log line per inference request (orchestrator/access_log.py)
+        app.add_middleware(AccessLogMiddleware, as_json=cfg.log_requests_format == "json")
     if service.tracing.enabled:  # a SERVER span per inference request, its streamed body included
         app.add_middleware(TracingMiddleware, tracing=service.tracing)
     install_error_handlers(app, on_error=count_error)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from orchestrator import access_log
 from orchestrator.engine_client import EngineStreamError
 from orchestrator.errors import BadRequestError, ModelNotFoundError, NotFoundError, ServiceUnavailableError
 from orchestrator.json_input import load_json
@@ -153,6 +154,7 @@ class PassThrough:
             svc.tracing.route(decision, len(decision.ranked), self.router.last_decision_s)
             worker, resp = await svc.send_ranked(rreq, decision.ranked, ep.path, json.dumps(body).encode(), stream)
             self.metrics.routed.labels(model, worker.worker_id, decision.policy).inc()
+            access_log.note(request_id=rid, model=model, worker=worker.worker_id, queue_s=ticket.queued_s, key_id=key_id)
         except BaseException:
             self._finish(rreq, kind, t0, "error", ticket, booked)
             raise

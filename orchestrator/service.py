@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from orchestrator import access_log
 from orchestrator.config import FrontendConfig
 from orchestrator.disagg.coordinator import protocol_of
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
@@ -349,6 +350,8 @@ class InferenceService:
             raise
         self.metrics.routed.labels(model, d.endpoint.worker_id, decision.policy).inc()
         ep = d.endpoint
+        access_log.note(request_id=rid, model=model, worker=ep.worker_id, prompt_tokens=len(ids), key_id=key_id,  # access-log hook
+                        cached_tokens=decision.overlap_of(ep) * ep.block_size if ids else None, queue_s=ticket.queued_s)
         if adapter is not None:
             self.lora.begin(rid, ep.worker_id, adapter.name)
         if ids and ep.block_size:
@@ -705,6 +708,7 @@ class InferenceService:
                 ticket: Ticket | None = None) -> None:
         """Close the books on a request, on every path: router load, admission slot, metrics, telemetry."""
         duration = time.perf_counter() - t0
+        access_log.note(output_tokens=osl, ttft_at=t0 + ttft_s if ttft_s is not None else None)  # access-log hook
         self.router.on_complete(rreq.request_id)
         if rreq.lora_name and self.lora is not None:
             self.lora.end(rreq.request_id)

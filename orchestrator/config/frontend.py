@@ -151,7 +151,9 @@ class FrontendConfig(BaseModel):
     body_timeout_s: float = Field(30.0, gt=0, description="longest silence inside a request body (408 and closed)")
     max_connections: int = Field(4096, ge=1, description="open client connections; more are closed as they arrive")
     max_tokens_cap: int = Field(0, ge=0, description="largest max_tokens accepted (400 above; 0: the context bounds it)")
-    log_requests: bool = Field(False, description="log one line per request")
+    log_requests: bool = Field(False, description="access log: one line per inference request on the kvyard.access logger "
+                                                  "(status, worker, tokens, queue/TTFT/total time; orchestrator/access_log.py)")
+    log_requests_format: Literal["text", "json"] = Field("text", description="access log lines as key=value text or JSON")
     loop_stall_s: float = Field(1.0, ge=0, description="an event loop this late is a stall: counted and logged with "
                                                        "its stack (0: no watch)")
     router: RouterConfig = Field(default_factory=RouterConfig, description="routing policy and its parameters")
