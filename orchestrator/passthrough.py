@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -62,6 +63,7 @@ ENDPOINTS = {
     "responses": _Endpoint("/v1/responses", WorkerTask.GENERATE),
 }
 _WHAT = {WorkerTask.EMBED: "embeddings (it is not an embedding model)", WorkerTask.GENERATE: "generation (it is an embedding model)"}
+RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]{1,256}")  # resp_<hex> (vLLM), resp_<alnum> (OpenAI)
 _ID_SCAN_BYTES = 1 << 16  # how far into a streamed Response its id is looked for (it is in the first event)
 
 
@@ -222,8 +224,10 @@ class PassThrough:
 
     # ---- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel ----------------------------------------
 
-    async def response_op(self, response_id: str, method: str, suffix: str = "", query: str = "") -> Response:
+    async def response_op(self, response_id: str, method: str, suffix: str = "") -> Response:
         """Ask the worker holding the response (or, unknown here, every ready generating worker in turn)."""
+        if not RESPONSE_ID.fullmatch(response_id):  # it goes into an engine's URL: an id, never a path
+            raise NotFoundError(f"Response with id '{response_id[:64]}' not found.", param="response_id")
         svc = self.service
         holder = self.pins.pinned_worker(response_id)
         workers = [w for w in self.pool.workers.values() if w.info.task == WorkerTask.GENERATE and w.info.state.value == "ready"
@@ -231,7 +235,7 @@ class PassThrough:
         workers.sort(key=lambda w: w.info.worker_id != holder)  # the holder first
         if holder is not None and workers and workers[0].info.worker_id == holder:
             workers = workers[:1]
-        path = f"/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
+        path = f"/v1/responses/{response_id}{suffix}"
         last: tuple[int, bytes] | None = None
         for w in workers:
             status, content = await svc.client.request(method, w.info.url + path, svc.cfg.resilience.first_byte_timeout_s)

@@ -30,7 +30,7 @@ def make_forwarded_router(forward: PassThrough, guard: InferenceGuard, pool: Wor
 
     async def by_id(request: Request, response_id: str, method: str, suffix: str = "") -> Response:
         _, grant = await authorize_inference(guard, request, "responses_by_id", max_body_bytes, pool.context_len)
-        response = await forward.response_op(response_id, method, suffix, request.url.query)
+        response = await forward.response_op(response_id, method, suffix)
         if grant is not None:
             response.headers.update(grant.headers())
         return response

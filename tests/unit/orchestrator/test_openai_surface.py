@@ -151,3 +151,10 @@ async def test_completions_echo_logprobs_n_and_batched_prompts(kvyard):
     assert chat.choices[0].logprobs.content and all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
     with pytest.raises(openai.BadRequestError):  # vLLM's max_logprobs
         await client.completions.create(model="m", prompt="x", max_tokens=2, logprobs=21)
+
+
+@pytest.mark.parametrize("rid", ["..", "resp_x%2F..%2F..%2Fsleep", "resp.x", "x" * 300])
+async def test_a_response_id_is_never_a_path(kvyard, rid):
+    _, http, _ = kvyard
+    r = await http.get(f"/v1/responses/{rid}")
+    assert r.status_code == 404 and r.json()["error"]["param"] in ("response_id", None)
