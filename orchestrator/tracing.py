@@ -82,7 +82,7 @@ class Tracing:
 
     @classmethod
     def off(cls) -> "Tracing":
-        return cls()
+        return _Off()
 
     @classmethod
     def from_config(cls, cfg: TracingConfig) -> "Tracing":
@@ -162,6 +162,28 @@ class Tracing:
         with self.tracer.start_as_current_span(f"{method} {path}", context=parent, kind=self._trace.SpanKind.SERVER,
                                                attributes={"http.request.method": method, "url.path": path}) as span:
             yield span
+
+
+class _Off(Tracing):
+    """Tracing off: every hook returns at once (no check of a current span, no attributes built)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def span(self, name: str, **attributes: Any):
+        return _NOOP
+
+    def annotate(self, **attributes: Any) -> None:
+        pass
+
+    def route(self, decision, candidates: int, decision_s: float) -> None:
+        pass
+
+    def attempt(self, ep, attempt: int, headers: dict[str, str]) -> tuple[dict[str, str], Any]:
+        return headers, None
+
+    def end_attempt(self, span: Any, post: Any = None, status: int | None = None, error: str | None = None) -> None:
+        pass
 
 
 def _clean(attributes: dict[str, Any]) -> dict[str, Any]:
