@@ -22,7 +22,7 @@ import time
 from contextvars import ContextVar
 from typing import Any
 
-from orchestrator.tracing import TRACED_PATHS
+from orchestrator.tracing import inference_route
 
 __all__ = ["AccessLogMiddleware", "note"]
 
@@ -54,12 +54,12 @@ class AccessLogMiddleware:
         self.app, self.as_json = app, as_json
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not (path in TRACED_PATHS or path.startswith("/v1/responses/")):
+        route = inference_route(scope)
+        if route is None:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        record: dict[str, Any] = {"method": scope["method"], "path": path if path in TRACED_PATHS else "/v1/responses/{id}"}
+        record: dict[str, Any] = {"method": scope["method"], "path": route}
         for k, v in scope.get("headers") or ():
             if k == b"x-request-id":  # the client's id, kept on errors too (the service answers with the same one)
                 record["request_id"] = v.decode("latin-1")[:256]

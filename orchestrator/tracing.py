@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["TracingConfig", "Tracing", "TracingMiddleware", "TRACED_PATHS"]
+__all__ = ["TracingConfig", "Tracing", "TracingMiddleware", "TRACED_PATHS", "inference_route"]
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize", "/detokenize"})
 _NOOP = contextlib.nullcontext()
@@ -200,6 +200,17 @@ def _otlp_exporter(cfg: TracingConfig):
     return HttpExporter(endpoint=cfg.endpoint)
 
 
+def inference_route(scope) -> str | None:
+    """The route template of an HTTP request to an inference path (what the tracing and access-log middlewares
+    wrap), else None; never the raw path of a response id."""
+    if scope["type"] != "http":
+        return None
+    path = scope.get("path", "")
+    if path in TRACED_PATHS:
+        return path
+    return "/v1/responses/{response_id}" if path.startswith("/v1/responses/") else None
+
+
 class TracingMiddleware:
     """Pure ASGI: a SERVER span around each request to an inference path, streamed body included, with its status."""
 
@@ -207,11 +218,10 @@ class TracingMiddleware:
         self.app, self.tracing = app, tracing
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not (path in TRACED_PATHS or path.startswith("/v1/responses/")):
+        route = inference_route(scope)
+        if route is None:
             await self.app(scope, receive, send)
             return
-        route = "/v1/responses/{response_id}" if path.startswith("/v1/responses/") else path
         with self.tracing.server_span(scope["method"], route, scope.get("headers") or []) as span:
             async def traced_send(message) -> None:
                 if message["type"] == "http.response.start":

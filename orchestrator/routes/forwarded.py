@@ -35,21 +35,14 @@ def make_forwarded_router(forward: PassThrough, guard: InferenceGuard, pool: Wor
             response.headers.update(grant.headers())
         return response
 
-    @router.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        return await forwarded(request, "embeddings")
+    def post(kind: str):
+        async def endpoint(request: Request) -> Response:
+            return await forwarded(request, kind)
+        return endpoint
 
-    @router.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await forwarded(request, "tokenize")
-
-    @router.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await forwarded(request, "detokenize")
-
-    @router.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await forwarded(request, "responses")
+    for path, kind in (("/v1/embeddings", "embeddings"), ("/tokenize", "tokenize"), ("/detokenize", "detokenize"),
+                       ("/v1/responses", "responses")):
+        router.add_api_route(path, post(kind), methods=["POST"], name=kind)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(request: Request, response_id: str) -> Response:
