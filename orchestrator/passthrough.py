@@ -182,6 +182,8 @@ class PassThrough:
             self._finish(rreq, kind, t0, status, ticket, True)
         if kind == "responses" and resp.status_code < 400:
             self._pin(_field(content, "id"), worker)
+        if resp.status_code >= 400:
+            content = openai_error_body(resp.status_code, content, ep.path)
         return Response(content, status_code=resp.status_code, media_type="application/json", headers=headers)
 
     async def _relay(self, resp, rreq: RouteRequest, kind: str, t0: float, ticket: Ticket, worker: Endpoint) -> AsyncIterator[bytes]:
@@ -247,11 +249,31 @@ class PassThrough:
                     self.pins.on_booked(RouteRequest(request_id=response_id, model=w.info.model, token_ids=[], session_id=response_id),
                                         Endpoint(worker_id=w.info.worker_id, url=w.info.url, model=w.info.model))
                 self.metrics.requests.labels(w.info.model, "responses_" + (suffix.strip("/") or method.lower()), str(status) if status >= 400 else "ok").inc()
+                if status >= 400:
+                    content = openai_error_body(status, content, "/v1/responses")
                 return Response(content, status_code=status, media_type="application/json", headers={"x-kvyard-worker": w.info.worker_id})
             last = (status, content)
         if last is None and not workers:
             raise ServiceUnavailableError("no worker is ready to look the response up; retry shortly", retry_after=svc.retry_after_s)
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
+
+
+def openai_error_body(status: int, content: bytes, path: str) -> bytes:
+    """An engine's error as the client gets it: its own OpenAI-shaped error (vLLM's nested one, SGLang's and TRT-LLM's
+    flat one) as is; anything else (an engine without the route answers its framework's 404 `{"detail": ...}` or
+    plain text) wrapped into one."""
+    try:
+        value = json.loads(content)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and (isinstance(value.get("error"), dict) or isinstance(value.get("message"), str)):
+        return content
+    if status == 404 or status == 405:
+        message = f"this model's engine does not serve {path}"
+    else:
+        message = f"the engine answered HTTP {status}: {content[:200].decode('utf-8', 'replace')}"
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "upstream_error",
+                                 "param": None, "code": status}}).encode()
 
 
 def _field(content: bytes, name: str):

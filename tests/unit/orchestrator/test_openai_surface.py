@@ -158,3 +158,20 @@ async def test_a_response_id_is_never_a_path(kvyard, rid):
     _, http, _ = kvyard
     r = await http.get(f"/v1/responses/{rid}")
     assert r.status_code == 404 and r.json()["error"]["param"] in ("response_id", None)
+
+
+async def test_an_engine_without_the_route_gets_an_openai_error():
+    """SGLang and TensorRT-LLM serve no /v1/responses: their framework's bare 404 reaches the client OpenAI-shaped."""
+    from orchestrator.testing import FakeEngine, winfo
+
+    disc = InMemoryDiscovery()
+    app = create_app(FrontendConfig(refresh_interval_s=0.05, grpc_port=0), disc)
+    with FakeEngine() as eng:
+        await disc.register(winfo("a", eng.url), ttl_s=60)
+        async with app.router.lifespan_context(app):
+            await app.state.pool.refresh()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as http:
+                for path, body in (("/v1/responses", {"model": "m", "input": "x"}), ("/tokenize", {"model": "m", "prompt": "x"})):
+                    r = await http.post(path, json=body)
+                    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+                    assert path in r.json()["error"]["message"]
