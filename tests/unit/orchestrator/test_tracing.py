@@ -148,3 +148,31 @@ async def test_tracing_is_off_by_default():
     with off.span("x") as s:
         assert s is None
     assert off.attempt(object(), 0, {"a": "b"}) == ({"a": "b"}, None)
+
+
+async def test_disaggregated_request_has_prefill_and_decode_attempts():
+    from orchestrator.testing import FakePDEngine, HandoffBook
+    from workers.sim.backend import SIM_TOKENIZER_DIR
+    from workers.types import WorkerInfo, WorkerRole
+
+    exporter = InMemorySpanExporter()
+    disc = InMemoryDiscovery()
+    app = create_app(FrontendConfig(refresh_interval_s=60, grpc_port=0), disc, tracing=Tracing(TracingConfig(enabled=True), exporter=exporter))
+    book = HandoffBook()
+    with FakePDEngine("vllm", "prefill", book) as p, FakePDEngine("vllm", "decode", book, tokens=3) as d:
+        for wid, url, role in (("p", p.url, "prefill"), ("d", d.url, "decode")):
+            await disc.register(WorkerInfo(worker_id=wid, model="m", backend="sim", role=WorkerRole(role), url=url, block_size=16,
+                                           max_model_len=4096, tokenizer=str(SIM_TOKENIZER_DIR), pd_protocol="vllm"), ttl_s=60)
+        async with app.router.lifespan_context(app):
+            await app.state.pool.refresh()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1", timeout=20) as client:
+                r = await client.post("/v1/completions", json={"model": "m", "prompt": "word " * 3000, "max_tokens": 3})
+                assert r.status_code == 200, r.text
+        _, kids = tree(exporter)
+        phases = {s.attributes["kvyard.phase"]: s for s in kids["kvyard.engine_attempt"]}
+        assert set(phases) == {"prefill", "decode"}
+        assert phases["prefill"].attributes["kvyard.worker"] == "p" and phases["decode"].attributes["kvyard.worker"] == "d"
+        assert phases["prefill"].end_time <= phases["decode"].start_time
+        # each engine got its own attempt's span as parent
+        assert p.requests[0]["headers"]["traceparent"].split("-")[2] == f"{phases['prefill'].context.span_id:016x}"
+        assert d.requests[0]["headers"]["traceparent"].split("-")[2] == f"{phases['decode'].context.span_id:016x}"
