@@ -66,7 +66,7 @@ from orchestrator.telemetry_recorder import FrontendTelemetry
 from orchestrator.tracing import Tracing
 from orchestrator.streaming import StreamStats, relay_sse, sse_error_event
 from router import Endpoint, NoEndpointsError, RouteRequest, Router
-from workers.types import WorkerInfo
+from workers.types import WorkerInfo, WorkerTask
 
 __all__ = ["InferenceService", "Dispatched"]
 
@@ -280,6 +280,8 @@ class InferenceService:
                 # on its way: retryable 503, not a 404 that tells the client the model does not exist
                 raise ServiceUnavailableError(f"no worker of `{model}` is known yet; retry shortly", retry_after=self.cfg.resilience.retry_after_s)
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
+        if info.task == WorkerTask.EMBED:  # a pooling model: /v1/embeddings only (orchestrator/passthrough.py)
+            raise BadRequestError(f"The model `{model}` does not support generation (it is an embedding model).", param="model")
         ctx = self.pool.context_len(model) or info.max_model_len
         try:  # long prompts are tokenized off the loop (prepare.py)
             with self.tracing.span("kvyard.tokenize"):  # tracing hook

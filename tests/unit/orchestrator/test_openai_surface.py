@@ -175,3 +175,12 @@ async def test_an_engine_without_the_route_gets_an_openai_error():
                     r = await http.post(path, json=body)
                     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
                     assert path in r.json()["error"]["message"]
+
+
+async def test_an_embedding_model_does_not_generate(kvyard):
+    client, _, _ = kvyard
+    for call in (lambda: client.completions.create(model="emb", prompt="x", max_tokens=2),
+                 lambda: client.chat.completions.create(model="emb", messages=[{"role": "user", "content": "x"}], max_tokens=2)):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await call()
+        assert exc.value.body["param"] == "model" and "embedding model" in exc.value.body["message"]
