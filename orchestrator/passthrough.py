@@ -157,6 +157,8 @@ class PassThrough:
             worker, resp = await svc.send_ranked(rreq, decision.ranked, ep.path, json.dumps(body).encode(), stream)
             self.metrics.routed.labels(model, worker.worker_id, decision.policy).inc()
             access_log.note(request_id=rid, model=model, worker=worker.worker_id, queue_s=ticket.queued_s, key_id=key_id)
+            if kind == "responses" and svc.telemetry is not None:  # generation: the planner's load, like chat's
+                svc.telemetry.on_arrival(model)
         except BaseException:
             self._finish(rreq, kind, t0, "error", ticket, booked)
             raise
@@ -179,7 +181,7 @@ class PassThrough:
             if status == "ok":
                 svc.breakers.success(worker.worker_id)
                 status = "ok" if resp.status_code < 400 else str(resp.status_code)
-            self._finish(rreq, kind, t0, status, ticket, True)
+            self._finish(rreq, kind, t0, status, ticket, True, usage=_field(content, "usage") if status == "ok" else None)
         if kind == "responses" and resp.status_code < 400:
             self._pin(_field(content, "id"), worker)
         if resp.status_code >= 400:
@@ -189,6 +191,8 @@ class PassThrough:
     async def _relay(self, resp, rreq: RouteRequest, kind: str, t0: float, ticket: Ticket, worker: Endpoint) -> AsyncIterator[bytes]:
         status = "ok"
         head = b""  # the first bytes, until the Response's id is found in them
+        tail = b""  # the last bytes: the response.completed event carries the usage
+        first_at: float | None = None
         try:
             async for chunk in resp.aiter_raw():
                 if head is not None:
@@ -197,6 +201,9 @@ class PassThrough:
                     if rid is not None or len(head) > _ID_SCAN_BYTES:
                         self._pin(rid, worker)
                         head = None
+                if first_at is None and b"output_text.delta" in chunk:
+                    first_at = time.perf_counter()
+                tail = (tail + chunk)[-_ID_SCAN_BYTES:]
                 yield chunk
             self.service.breakers.success(worker.worker_id)
         except EngineStreamError as exc:
@@ -210,19 +217,31 @@ class PassThrough:
             raise
         finally:
             await resp.aclose()
-            self._finish(rreq, kind, t0, status, ticket, True)
+            self._finish(rreq, kind, t0, status, ticket, True, usage=_completed_usage(tail), first_at=first_at)
 
     def _pin(self, response_id: str | None, worker: Endpoint) -> None:
         if isinstance(response_id, str) and response_id:
             self.pins.on_booked(RouteRequest(request_id=response_id, model=worker.model, token_ids=[], session_id=response_id), worker)
 
-    def _finish(self, rreq: RouteRequest, kind: str, t0: float, status: str, ticket: Ticket, booked: bool) -> None:
+    def _finish(self, rreq: RouteRequest, kind: str, t0: float, status: str, ticket: Ticket, booked: bool,
+                usage: dict | None = None, first_at: float | None = None) -> None:
+        """Close the books; a Response's usage (input/output tokens) and first-token time feed the planner's
+        telemetry and the access log as a chat completion's do."""
+        duration = time.perf_counter() - t0
         if booked:
             self.router.on_complete(rreq.request_id)
         ticket.release()
         self.metrics.inflight.labels(rreq.model).dec()
-        self.metrics.duration.labels(rreq.model).observe(time.perf_counter() - t0)
+        self.metrics.duration.labels(rreq.model).observe(duration)
         self.metrics.requests.labels(rreq.model, kind, status).inc()
+        if kind != "responses":
+            return
+        usage = usage if isinstance(usage, dict) else {}
+        isl, osl = int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
+        access_log.note(prompt_tokens=isl or None, output_tokens=osl or None, ttft_at=first_at)
+        if self.service.telemetry is not None and booked:
+            self.service.telemetry.on_finish(rreq.model, ttft_s=first_at - t0 if first_at is not None else None, duration_s=duration,
+                                             isl=isl, osl=osl, ok=status == "ok")
 
     # ---- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel ----------------------------------------
 
@@ -282,6 +301,21 @@ def _field(content: bytes, name: str):
     except ValueError:
         return None
     return value.get(name) if isinstance(value, dict) else None
+
+
+def _completed_usage(tail: bytes) -> dict | None:
+    """The usage of a streamed Response: in its last event, `response.completed` {"response": {"usage": ...}}."""
+    at = tail.rfind(b"event: response.completed")
+    if at < 0:
+        return None
+    for line in tail[at:].split(b"\n"):
+        if line.startswith(b"data:"):
+            try:
+                resp = json.loads(line[5:]).get("response")
+            except (ValueError, AttributeError):
+                return None
+            return resp.get("usage") if isinstance(resp, dict) else None
+    return None
 
 
 def _first_response_id(head: bytes) -> str | None:

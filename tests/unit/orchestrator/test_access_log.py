@@ -68,3 +68,24 @@ async def test_off_by_default(caplog):
     with FakeEngine() as eng:
         r = await serve(FrontendConfig(grpc_port=0), eng, {"model": "m", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 200 and access_lines(caplog) == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_response_logs_its_tokens(caplog, stream):
+    from orchestrator.testing.sim_thread import ThreadedSim
+
+    caplog.set_level(logging.INFO, logger="kvyard.access")
+    cfg = FrontendConfig(grpc_port=0, log_requests=True, log_requests_format="json")
+    with ThreadedSim() as sim:
+        disc = InMemoryDiscovery()
+        app = create_app(cfg, disc)
+        async with app.router.lifespan_context(app):
+            await disc.register(sim.info("g1"), ttl_s=60)
+            await app.state.pool.refresh()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as client:
+                r = await client.post("/v1/responses", json={"model": "m", "input": "hello", "max_output_tokens": 5, "stream": stream})
+                assert r.status_code == 200
+    (line,) = access_lines(caplog)
+    rec = json.loads(line)
+    assert rec["path"] == "/v1/responses" and rec["worker"] == "g1" and rec["output_tokens"] == 5 and rec["prompt_tokens"] > 0
+    assert ("ttft_s" in rec) is stream
