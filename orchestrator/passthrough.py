@@ -15,13 +15,15 @@ Same gate as chat/completions (routes/openai.py: API key, rate limit), then here
 Responses are stateful on the engine. The id of every response relayed is pinned to its worker in the
 session-affinity store (router/plugins/affinity.py, one pin per session id), so a response id is also a session
 key: `x-session-id: <response id>` sends a chat turn to the same worker, and GET /v1/responses/{id} goes there.
-An id this frontend has not seen (another frontend's, or one whose pin expired) is asked of each ready worker in
-turn, the first that knows it answers. There is no mid-stream migration for these endpoints (an embedding is one
+An id this frontend has not seen (another frontend's, or one whose pin expired) is looked up on the workers: a
+retrieval asks each ready worker in turn, a `previous_response_id` asks the model's routable workers at once
+(GET /v1/responses/{id}), and the one that knows it is pinned. There is no mid-stream migration for these endpoints (an embedding is one
 body; a Response's state lives on its engine).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -136,6 +138,8 @@ class PassThrough:
         header = svc.cfg.affinity.header
         session = prev or session_id_of(request.headers.get(header), header)
         holder = self.pins.pinned_worker(prev) if prev else None
+        if prev and holder is None and RESPONSE_ID.fullmatch(prev):  # another frontend's response: ask the workers
+            holder = await self._find_holder(prev, model)
         key_id = getattr(request.state, "api_key_id", None)
         priority = getattr(request.state, "api_key_priority", ("normal", 1.0))
         ticket = await svc.admission.admit(model, key_id, *priority)
@@ -244,6 +248,20 @@ class PassThrough:
                                              isl=isl, osl=osl, ok=status == "ok")
 
     # ---- GET /v1/responses/{id}, POST /v1/responses/{id}/cancel ----------------------------------------
+
+    async def _find_holder(self, response_id: str, model: str) -> str | None:
+        """The worker of `model` that knows the response (GET /v1/responses/{id} on each routable one at once), pinned;
+        None if none does. For a response this frontend did not relay: several frontends share one fleet."""
+        eps = [e for e in self.service.routable(model) if self._task_of(e.worker_id) == WorkerTask.GENERATE]
+        if len(eps) < 2:
+            return None  # one candidate (or none): routing finds it anyway
+        timeout = self.service.cfg.resilience.first_byte_timeout_s
+        answers = await asyncio.gather(*(self.service.client.request("GET", f"{e.url}/v1/responses/{response_id}", timeout) for e in eps))
+        for e, (status, _) in zip(eps, answers):
+            if status == 200:
+                self._pin(response_id, e)
+                return e.worker_id
+        return None
 
     async def response_op(self, response_id: str, method: str, suffix: str = "") -> Response:
         """Ask the worker holding the response (or, unknown here, every ready generating worker in turn)."""

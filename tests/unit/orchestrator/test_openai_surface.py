@@ -184,3 +184,13 @@ async def test_an_embedding_model_does_not_generate(kvyard):
         with pytest.raises(openai.BadRequestError) as exc:
             await call()
         assert exc.value.body["param"] == "model" and "embedding model" in exc.value.body["message"]
+
+
+async def test_previous_response_of_another_frontend_goes_to_its_worker(kvyard, sims):
+    """A response created through another frontend (here: straight at g2) is found on its worker and continued there."""
+    client, _, _ = kvyard
+    first = httpx.post(sims[1].url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 3}).json()
+    for _ in range(3):
+        nxt = await client.responses.with_raw_response.create(model="m", input="more", previous_response_id=first["id"],
+                                                               max_output_tokens=2)
+        assert nxt.headers["x-kvyard-worker"] == "g2" and nxt.parse().previous_response_id == first["id"]
