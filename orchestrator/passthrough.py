@@ -118,11 +118,26 @@ class PassThrough:
     # ---- POST: forward one request -----------------------------------------------------------------
 
     async def handle(self, request: Request, kind: str) -> Response:
+        """Forward one request; a client that leaves before the answer starts cancels it (the engine connection is
+        dropped, so the engine aborts the request), as for generation."""
+        t0 = time.perf_counter()
+        raw = await self.service._read_body(request)
+        work = asyncio.ensure_future(self._forward(request, raw, kind, t0))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return Response(status_code=499)
+            return work.result()
+        finally:
+            gone.cancel()
+
+    async def _forward(self, request: Request, raw: bytes, kind: str, t0: float) -> Response:
         ep = ENDPOINTS[kind]
         svc = self.service
-        t0 = time.perf_counter()
         svc._start_probes()
-        raw = await svc._read_body(request)
         body = load_json(raw, "request body")
         if not isinstance(body, dict):
             raise BadRequestError("request body must be a JSON object")
@@ -142,7 +157,8 @@ class PassThrough:
             holder = await self._find_holder(prev, model)
         key_id = getattr(request.state, "api_key_id", None)
         priority = getattr(request.state, "api_key_priority", ("normal", 1.0))
-        ticket = await svc.admission.admit(model, key_id, *priority)
+        with svc.tracing.span("kvyard.admission"):
+            ticket = await svc.admission.admit(model, key_id, *priority)
         if ticket.queued_s:
             self.metrics.admission_wait.labels(model).observe(ticket.queued_s)
         rid = request.headers.get("x-request-id") or f"kvy-{uuid.uuid4().hex}"
@@ -319,6 +335,11 @@ def _field(content: bytes, name: str):
     except ValueError:
         return None
     return value.get(name) if isinstance(value, dict) else None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _completed_usage(tail: bytes) -> dict | None:

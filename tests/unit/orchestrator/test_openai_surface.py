@@ -4,6 +4,8 @@ sticking to the worker that holds the state), and vLLM's /tokenize and /detokeni
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 
 import httpx
@@ -194,3 +196,40 @@ async def test_previous_response_of_another_frontend_goes_to_its_worker(kvyard, 
         nxt = await client.responses.with_raw_response.create(model="m", input="more", previous_response_id=first["id"],
                                                                max_output_tokens=2)
         assert nxt.headers["x-kvyard-worker"] == "g2" and nxt.parse().previous_response_id == first["id"]
+
+
+async def test_a_client_leaving_cancels_a_forwarded_request(sims):
+    """The client of a slow non-streamed Response leaves: the engine request is aborted, the books closed."""
+    g1 = sims[0]
+    disc = InMemoryDiscovery()
+    app = create_app(FrontendConfig(refresh_interval_s=60, grpc_port=0), disc)
+    await disc.register(g1.info("g1"), ttl_s=60)
+    async with app.router.lifespan_context(app):
+        await app.state.pool.refresh()
+        body = json.dumps({"model": "m", "input": "long one", "max_output_tokens": 3900}).encode()
+        sent = {"done": False}
+
+        async def receive():
+            if not sent["done"]:
+                sent["done"] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+        out = []
+
+        async def send(message):
+            out.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/responses", "raw_path": b"/v1/responses", "query_string": b"",
+                 "headers": [(b"content-type", b"application/json"), (b"host", b"127.0.0.1")], "client": ("127.0.0.1", 1),
+                 "server": ("127.0.0.1", 80), "scheme": "http", "root_path": "", "http_version": "1.1"}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        assert out[0]["status"] == 499
+        loads = app.state.router.loads._loads.values()
+        assert all(ld.inflight_requests == 0 for ld in loads)
+        for _ in range(50):  # the engine saw the connection drop and aborted its request
+            if not g1.app.state.sim.engine.streams:
+                break
+            await asyncio.sleep(0.05)
+        assert not g1.app.state.sim.engine.streams
