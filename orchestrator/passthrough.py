@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from orchestrator import access_log
+from orchestrator.client_gone import unless_client_leaves
 from orchestrator.engine_client import EngineStreamError
 from orchestrator.errors import BadRequestError, ModelNotFoundError, NotFoundError, ServiceUnavailableError
 from orchestrator.json_input import load_json
@@ -122,17 +123,7 @@ class PassThrough:
         dropped, so the engine aborts the request), as for generation."""
         t0 = time.perf_counter()
         raw = await self.service._read_body(request)
-        work = asyncio.ensure_future(self._forward(request, raw, kind, t0))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                return Response(status_code=499)
-            return work.result()
-        finally:
-            gone.cancel()
+        return await unless_client_leaves(request, self._forward(request, raw, kind, t0))
 
     async def _forward(self, request: Request, raw: bytes, kind: str, t0: float) -> Response:
         ep = ENDPOINTS[kind]
@@ -335,11 +326,6 @@ def _field(content: bytes, name: str):
     except ValueError:
         return None
     return value.get(name) if isinstance(value, dict) else None
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _completed_usage(tail: bytes) -> dict | None:

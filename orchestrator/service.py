@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from orchestrator import access_log
+from orchestrator.client_gone import unless_client_leaves
 from orchestrator.config import FrontendConfig
 from orchestrator.disagg.coordinator import protocol_of
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
@@ -386,17 +387,7 @@ class InferenceService:
         header = self.cfg.affinity.header
         session = session_id_of(request.headers.get(header), header)
         raw = await self._read_body(request)
-        work = asyncio.ensure_future(self._respond(raw, kind, request.headers.get("x-request-id"), key_id, session, priority))
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:  # the client left first
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                return Response(status_code=499)
-            return work.result()
-        finally:
-            gone.cancel()
+        return await unless_client_leaves(request, self._respond(raw, kind, request.headers.get("x-request-id"), key_id, session, priority))
 
     async def _respond(self, raw: bytes, kind: str, request_id: str | None, key_id: str | None, session: str | None,
                        priority: tuple[str, float]) -> Response:
@@ -755,10 +746,3 @@ def _finish_chunk(kind: str, tracker: StreamTracker) -> bytes:
         obj = "text_completion"
     out = {"id": tracker.id, "object": obj, "created": tracker.created, "model": tracker.model, "choices": [choice]}
     return b"data: " + json.dumps(out, separators=(",", ":")).encode()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
