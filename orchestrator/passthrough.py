@@ -299,6 +299,8 @@ class PassThrough:
             last = (status, content)
         if last is None and not workers:
             raise ServiceUnavailableError("no worker is ready to look the response up; retry shortly", retry_after=svc.retry_after_s)
+        if last is not None:  # every engine said 404: the client gets the engine's own answer (vLLM's error shape)
+            return Response(openai_error_body(404, last[1], "/v1/responses"), status_code=404, media_type="application/json")
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
 
 
