@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
+from orchestrator.access_log import AccessLogMiddleware
 from orchestrator.config import FrontendConfig
 from orchestrator.disagg import DisaggCoordinator
 from orchestrator.errors import install_error_handlers
@@ -20,6 +21,7 @@ from orchestrator.routes import (
     make_admin_router,
     make_cluster_router,
     make_dashboard_router,
+    make_forwarded_router,
     make_openai_router,
     make_ops_router,
 )
@@ -35,8 +37,10 @@ from orchestrator.security import (
 )
 from orchestrator.routing import build_router
 from orchestrator.security.origin import HostOriginGuard, default_allowed_hosts
+from orchestrator.passthrough import PassThrough
 from orchestrator.service import InferenceService
 from orchestrator.telemetry_recorder import FrontendTelemetry, make_telemetry_store
+from orchestrator.tracing import Tracing, TracingMiddleware
 from router.events import KvEventIngestor
 from workers.discovery import Discovery, InMemoryDiscovery, RedisDiscovery
 from planner.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
@@ -76,7 +80,8 @@ def make_guards(cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> 
     return InferenceGuard(keys, limiter, metrics=metrics), admin
 
 
-def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastAPI:
+def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing: Tracing | None = None) -> FastAPI:
+    """`tracing`: the request tracer to use instead of cfg.telemetry.tracing's (tests: one with an in-memory exporter)."""
     discovery = discovery or make_discovery(cfg)
     metrics = FrontendMetrics()
     router = build_router(cfg)  # orchestrator/routing.py: also what `kvyard replay` routes with
@@ -84,6 +89,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor,
                       scrape_timeout_s=cfg.scrape_timeout_s, liveness_failures=cfg.liveness_failures)
     service = InferenceService(cfg, pool, router, metrics)
+    service.tracing = tracing or Tracing.from_config(cfg.telemetry.tracing)  # orchestrator/tracing.py; off by default
     # disaggregated prefill/decode for models with prefill or decode workers (orchestrator/disagg)
     service.disagg = DisaggCoordinator(cfg.disagg, pool, router, metrics, service.client, sender=service, kv=cfg.router.kv)
     telemetry_store = make_telemetry_store(cfg.redis_url, cfg.discovery_prefix)
@@ -120,6 +126,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
                 await store.close()
             if loopwatch is not None:
                 await loopwatch.close()
+            service.tracing.shutdown()  # the last spans flushed
 
     app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan)
     app.state.cfg, app.state.pool, app.state.router, app.state.metrics = cfg, pool, router, metrics
@@ -138,8 +145,13 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None) -> FastA
     allowed_hosts = frozenset(sec.allowed_hosts) if sec.allowed_hosts is not None else default_allowed_hosts(cfg.host)
     app.add_middleware(HostOriginGuard, allowed_hosts=allowed_hosts, allowed_origins=frozenset(sec.allowed_origins),
                        on_refused=lambda code: metrics.requests.labels("", "host_origin_check", "403").inc())
+    if cfg.log_requests:  # one access-log line per inference request (orchestrator/access_log.py)
+        app.add_middleware(AccessLogMiddleware, as_json=cfg.log_requests_format == "json")
+    if service.tracing.enabled:  # a SERVER span per inference request, its streamed body included
+        app.add_middleware(TracingMiddleware, tracing=service.tracing)
     install_error_handlers(app, on_error=count_error)
     app.include_router(make_openai_router(service, guard, pool, cfg.max_body_bytes, cfg.lora))
+    app.include_router(make_forwarded_router(PassThrough(service), guard, pool, cfg.max_body_bytes))
     app.include_router(make_ops_router(pool, metrics))
     app.include_router(make_cluster_router(admin, pool, router, ingestor, service))
     app.include_router(make_dashboard_router(admin))  # GET /api/pools: an admin read

@@ -56,6 +56,10 @@ _FE = [
     Flag("--disagg-mode", "disagg.mode", choices=("conditional", "always")),
     Flag("--enforce-disagg", "disagg.enforce", store_true=True),
     Flag("--disagg-prefill-timeout", "disagg.prefill_timeout_s", float),
+    Flag("--log-requests", "log_requests", store_true=True),
+    Flag("--log-requests-format", "log_requests_format", choices=("text", "json")),
+    Flag("--otlp-traces-endpoint", "telemetry.tracing.endpoint", env="KVYARD_OTLP_TRACES_ENDPOINT"),
+    Flag("--tracing", "telemetry.tracing.enabled", store_true=True),
 ]
 # the admin token and the registry secret are read from the environment only (a flag would show in `ps`)
 _ADMIN_TOKEN = Flag("", "frontend.security.admin_token", env="KVYARD_ADMIN_TOKEN")

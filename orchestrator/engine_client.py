@@ -90,6 +90,14 @@ class EngineClient:
             raise EngineUnreachableError(f"{type(exc).__name__}: {exc}") from exc
         return EngineResponse(resp)
 
+    async def request(self, method: str, url: str, timeout_s: float) -> tuple[int | None, bytes]:
+        """A small bodiless call (GET / POST) read whole: (status, body), or (None, b"") if the engine did not answer."""
+        try:
+            async with self._get_session().request(method, url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return None, b""
+
     async def healthy(self, url: str, timeout_s: float) -> bool:
         """GET url (an engine's /health) within timeout_s: True on a 200."""
         try:

@@ -79,6 +79,10 @@ def engine_config(c: ClusterConfig, port: int, kv_events_endpoint: str | None, k
     if c.frontend.lora.adapters and c.backend in ("sim", "vllm"):  # adapters are loaded at run time (orchestrator/lora.py)
         lora_args, env = lora_launch(c.frontend.lora.max_per_worker, c.frontend.lora.max_lora_rank)
         extra = lora_args + extra  # the cluster's own engine_args come later and win
+    tracing = c.frontend.telemetry.tracing
+    if tracing.enabled and c.backend == "vllm" and "--otlp-traces-endpoint" not in extra:  # its spans join the frontend's trace
+        extra = ["--otlp-traces-endpoint", tracing.endpoint] + extra
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = tracing.protocol
     return EngineLaunchConfig(model=c.model, served_model_name=c.served_model_name, host=host, port=port, block_size=c.block_size,
                               max_model_len=c.max_model_len, kv_events_endpoint=kv_events_endpoint,
                               kv_replay_endpoint=kv_replay_endpoint, extra_args=extra, cpus=c.engine_cpus,

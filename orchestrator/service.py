@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from orchestrator import access_log
+from orchestrator.client_gone import unless_client_leaves
 from orchestrator.config import FrontendConfig
 from orchestrator.disagg.coordinator import protocol_of
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
@@ -62,9 +64,10 @@ from orchestrator.resilience.migration import (
 )
 from orchestrator.sessions import session_id_of
 from orchestrator.telemetry_recorder import FrontendTelemetry
+from orchestrator.tracing import Tracing
 from orchestrator.streaming import StreamStats, relay_sse, sse_error_event
 from router import Endpoint, NoEndpointsError, RouteRequest, Router
-from workers.types import WorkerInfo
+from workers.types import WorkerInfo, WorkerTask
 
 __all__ = ["InferenceService", "Dispatched"]
 
@@ -124,6 +127,7 @@ class InferenceService:
         self.metrics = metrics
         self.client = EngineClient(cfg.resilience.connect_timeout_s)
         self.telemetry: FrontendTelemetry | None = None  # set by the app when telemetry is on
+        self.tracing = Tracing.off()  # set by the app when tracing is on (orchestrator/tracing.py)
         self.rng = random.Random()
         rc, ac = cfg.resilience, cfg.admission
         self.breakers = BreakerBoard(rc.breaker_failure_threshold, rc.breaker_open_s, rc.breaker_max_open_s,
@@ -277,18 +281,23 @@ class InferenceService:
                 # on its way: retryable 503, not a 404 that tells the client the model does not exist
                 raise ServiceUnavailableError(f"no worker of `{model}` is known yet; retry shortly", retry_after=self.cfg.resilience.retry_after_s)
             raise ModelNotFoundError(f"The model `{req.model}` does not exist.", param="model")
+        if info.task == WorkerTask.EMBED:  # a pooling model: /v1/embeddings only (orchestrator/passthrough.py)
+            raise BadRequestError(f"The model `{model}` does not support generation (it is an embedding model).", param="model")
         ctx = self.pool.context_len(model) or info.max_model_len
         try:  # long prompts are tokenized off the loop (prepare.py)
-            ids, mm_items = await self.prep.prompt_ids(req, model, ctx, self.cfg.multimodal.spec())
+            with self.tracing.span("kvyard.tokenize"):  # tracing hook
+                ids, mm_items = await self.prep.prompt_ids(req, model, ctx, self.cfg.multimodal.spec())
             self.prep.check_lengths(req, ids, ctx)
             body, max_tokens = self.prep.fill_max_tokens(req, body, ids, ctx)
-            ticket = await self.admission.admit(model, key_id, *priority)
+            with self.tracing.span("kvyard.admission"):  # tracing hook
+                ticket = await self.admission.admit(model, key_id, *priority)
         except asyncio.CancelledError:  # the client left while its prompt was tokenized or it was queued
             self.metrics.requests.labels(model, "generate", "cancelled").inc()
             raise
         if ticket.queued_s:
             self.metrics.admission_wait.labels(model).observe(ticket.queued_s)
         rid = request_id or f"kvy-{uuid.uuid4().hex}"
+        self.tracing.annotate(**{"kvyard.request_id": rid, "kvyard.model": model, "kvyard.prompt_tokens": len(ids)})  # tracing hook
         booked = False
         try:
             endpoints = self.routable(model)
@@ -315,6 +324,7 @@ class InferenceService:
             ticket.release()
             raise
         self.metrics.decision_time.observe(self.router.last_decision_s)
+        self.tracing.route(decision, len(endpoints), self.router.last_decision_s)  # tracing hook
         if self.telemetry is not None:
             self.telemetry.on_arrival(model)
         self.metrics.isl.labels(model).observe(len(ids))
@@ -343,6 +353,8 @@ class InferenceService:
             raise
         self.metrics.routed.labels(model, d.endpoint.worker_id, decision.policy).inc()
         ep = d.endpoint
+        access_log.note(request_id=rid, model=model, worker=ep.worker_id, prompt_tokens=len(ids), key_id=key_id,  # access-log hook
+                        cached_tokens=decision.overlap_of(ep) * ep.block_size if ids else None, queue_s=ticket.queued_s)
         if adapter is not None:
             self.lora.begin(rid, ep.worker_id, adapter.name)
         if ids and ep.block_size:
@@ -375,17 +387,7 @@ class InferenceService:
         header = self.cfg.affinity.header
         session = session_id_of(request.headers.get(header), header)
         raw = await self._read_body(request)
-        work = asyncio.ensure_future(self._respond(raw, kind, request.headers.get("x-request-id"), key_id, session, priority))
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:  # the client left first
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                return Response(status_code=499)
-            return work.result()
-        finally:
-            gone.cancel()
+        return await unless_client_leaves(request, self._respond(raw, kind, request.headers.get("x-request-id"), key_id, session, priority))
 
     async def _respond(self, raw: bytes, kind: str, request_id: str | None, key_id: str | None, session: str | None,
                        priority: tuple[str, float]) -> Response:
@@ -437,8 +439,9 @@ class InferenceService:
             remaining = self._remaining(d)
             if remaining <= 0:
                 break
+            sent_headers, span = self.tracing.attempt(ep, attempt, headers)  # tracing hook
             post = asyncio.ensure_future(self.client.post(
-                ep.url + path, payload, headers, min(read_timeout, remaining),
+                ep.url + path, payload, sent_headers, min(read_timeout, remaining),
                 headers_timeout_s=min(headers_timeout, remaining) if headers_timeout else None, total_s=remaining))
             inflight = self.hung.book(ep.worker_id)
             inflight.add(post)  # cancelled if the engine is found hung meanwhile
@@ -457,6 +460,7 @@ class InferenceService:
                 continue
             finally:
                 inflight.discard(post)
+                self.tracing.end_attempt(span, post)  # tracing hook
             inflight.add(resp)
             if resp.status_code >= 500:
                 last_error = f"{ep.worker_id}: HTTP {resp.status_code}"
@@ -542,7 +546,8 @@ class InferenceService:
                         continue
                     # the original stream's usage chunk already reached the client: the answer was complete
                     usage_sent = rewriter is None and stats.usage is not None and d.include_usage
-                    tail, rewriter = await self._migrate(d, tracker, migrations, rewriter, usage_sent)
+                    with self.tracing.span("kvyard.migration", **{"kvyard.from_worker": ep.worker_id, "kvyard.migration": migrations + 1}):  # tracing hook
+                        tail, rewriter = await self._migrate(d, tracker, migrations, rewriter, usage_sent)
                 except _Ended as end:
                     status = "engine_error"
                     yield sse_error_event(str(end))
@@ -696,6 +701,7 @@ class InferenceService:
                 ticket: Ticket | None = None) -> None:
         """Close the books on a request, on every path: router load, admission slot, metrics, telemetry."""
         duration = time.perf_counter() - t0
+        access_log.note(output_tokens=osl, ttft_at=t0 + ttft_s if ttft_s is not None else None)  # access-log hook
         self.router.on_complete(rreq.request_id)
         if rreq.lora_name and self.lora is not None:
             self.lora.end(rreq.request_id)
@@ -740,10 +746,3 @@ def _finish_chunk(kind: str, tracker: StreamTracker) -> bytes:
         obj = "text_completion"
     out = {"id": tracker.id, "object": obj, "created": tracker.created, "model": tracker.model, "choices": [choice]}
     return b"data: " + json.dumps(out, separators=(",", ":")).encode()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, field_validator
 
-__all__ = ["WorkerRole", "WorkerState", "WorkerInfo", "WorkerFailure", "EngineMetrics", "LaunchSpec", "EngineLaunchConfig"]
+__all__ = ["WorkerRole", "WorkerState", "WorkerTask", "task_of_engine_args", "WorkerInfo", "WorkerFailure", "EngineMetrics", "LaunchSpec", "EngineLaunchConfig"]
 
 
 class WorkerRole(str, enum.Enum):
@@ -24,6 +24,24 @@ class WorkerRole(str, enum.Enum):
     BOTH = "both"  # aggregated: prefill and decode on the same engine
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+class WorkerTask(str, enum.Enum):
+    """What an engine's model does: generate text (completions, chat, responses) or embed (pooling models)."""
+
+    GENERATE = "generate"
+    EMBED = "embed"
+
+
+def task_of_engine_args(args: list[str]) -> WorkerTask:
+    """The task an engine's own flags give it: vLLM's `--runner pooling` (or the older `--task embed` /
+    `--convert embed`) serves a pooling model, which embeds; anything else generates."""
+    pooling = {"--runner": "pooling", "--task": "embed", "--convert": "embed"}
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if flag in pooling and (value if eq else (args[i + 1] if i + 1 < len(args) else "")) == pooling[flag]:
+            return WorkerTask.EMBED
+    return WorkerTask.GENERATE
 
 
 class WorkerState(str, enum.Enum):
@@ -41,6 +59,7 @@ class WorkerInfo(BaseModel):
     model: str = Field(min_length=1, max_length=512)
     backend: str = Field(pattern=r"^[a-z0-9_-]{1,32}$")
     role: WorkerRole = WorkerRole.BOTH
+    task: WorkerTask = WorkerTask.GENERATE  # embed: a pooling model, served /v1/embeddings only
     url: str = Field(max_length=2048)  # engine HTTP base URL, e.g. http://127.0.0.1:8100
     block_size: int = Field(16, ge=1, le=65536)
     max_model_len: int = Field(8192, ge=1, le=1 << 30)

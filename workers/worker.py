@@ -36,7 +36,7 @@ import httpx
 from workers.backend import Backend
 from workers.discovery import Discovery, DiscoveryError
 from workers.process import EngineProcess, EngineStartError
-from workers.types import EngineLaunchConfig, WorkerFailure, WorkerInfo, WorkerRole, WorkerState
+from workers.types import EngineLaunchConfig, WorkerFailure, WorkerInfo, WorkerRole, WorkerState, task_of_engine_args
 
 __all__ = ["WorkerSupervisor", "WorkerOptions", "TOKENIZER_FILES"]
 
@@ -95,6 +95,7 @@ class WorkerSupervisor:
             model=self.cfg.served_model_name,
             backend=self.backend.name,
             role=self.opts.role,
+            task=task_of_engine_args(self.cfg.extra_args),
             url=f"http://{host}:{self.cfg.port}",
             block_size=self.cfg.block_size,
             max_model_len=self.cfg.max_model_len,

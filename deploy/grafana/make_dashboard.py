@@ -123,6 +123,19 @@ ts("Routing decision time", "p50 and p99 of kvyard_router_decision_seconds.",
 ts("Retries and sequence lengths", "Requests re-sent to another engine (kvyard_engine_retries_total), and median prompt / output lengths.",
    [(f"sum(rate(kvyard_engine_retries_total{{{SEL}}}{R}))", "retries/s"),
     (q(0.5, "kvyard_input_sequence_tokens", SEL), "ISL p50"), (q(0.5, "kvyard_output_sequence_tokens", SEL), "OSL p50")], "short", 16, w=8)
+y[0] += 8
+row("OpenAI endpoints")
+ts("Requests/s by endpoint", "kvyard_requests_total by endpoint: generate (completions, chat), embeddings, responses, tokenize, "
+   "detokenize, responses_get / responses_cancel (retrieval by id).",
+   [(f'sum by (endpoint) (rate(kvyard_requests_total{{{SEL}, endpoint!~"/.*|unmatched|host_origin_check"}}{R}))', "{{endpoint}}")],
+   "reqps", 0, w=8, stack=True)
+ts("Failed requests/s by endpoint", "kvyard_requests_total whose status is not ok, by endpoint and status (engine errors, refusals, "
+   "client disconnects).",
+   [(f'sum by (endpoint, status) (rate(kvyard_requests_total{{{SEL}, status!="ok"}}{R}))', "{{endpoint}} {{status}}")],
+   "reqps", 8, w=8)
+ts("Routing decision time by quantile", "kvyard_router_decision_seconds over every routed request (generation and the forwarded "
+   "endpoints): p50, p90, p99, p99.9.",
+   [(q(x, "kvyard_router_decision_seconds", NS), f"p{x * 100:g}") for x in (0.5, 0.9, 0.99, 0.999)], "s", 16, w=8)
 
 def var(name, label, query):
     return {"name": name, "label": label, "type": "query", "datasource": DS, "query": {"query": query, "refId": name},

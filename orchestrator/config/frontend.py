@@ -6,7 +6,7 @@
       resilience:  timeouts, retries, migration, circuit breakers (orchestrator/resilience)
       admission:   per-model queue and fleet saturation (orchestrator/resilience/admission.py)
       security:    admin token, API keys, rate-limit store, TLS (orchestrator/security)
-      telemetry:   per-pool telemetry for the planner
+      telemetry:   per-pool telemetry for the planner; request tracing (OpenTelemetry, telemetry.tracing)
       disagg:      disaggregated prefill/decode (orchestrator/disagg)
       lora, affinity, multimodal, fair_share:  LoRA adapters, session affinity, image/audio parts, admission order
                    (docs/features.md; each model lives next to its code)
@@ -26,6 +26,7 @@ from orchestrator.multimodal import MultimodalConfig
 from orchestrator.resilience.fairshare import FairShareConfig
 from orchestrator.sessions import AffinityConfig
 from orchestrator.request_fields import RequestFieldsConfig
+from orchestrator.tracing import TracingConfig
 from router.config import RouterConfig
 
 __all__ = ["FrontendConfig", "FrontendFile", "ResilienceConfig", "AdmissionConfig", "SecurityConfig", "TelemetryConfig", "DisaggConfig"]
@@ -95,12 +96,14 @@ class SecurityConfig(BaseModel):
 
 
 class TelemetryConfig(BaseModel):
-    """Per-pool telemetry the planner reads (Redis when redis_url is set, else in memory)."""
+    """Per-pool telemetry the planner reads (Redis when redis_url is set, else in memory), and request tracing."""
 
     model_config = _STRICT
 
     enabled: bool = Field(True, description="record per-pool telemetry")
     interval_s: float = Field(1.0, gt=0, description="flush interval")
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="OpenTelemetry request traces over OTLP "
+                                                                            "(orchestrator/tracing.py)")
 
 
 class DisaggConfig(BaseModel):
@@ -148,7 +151,9 @@ class FrontendConfig(BaseModel):
     body_timeout_s: float = Field(30.0, gt=0, description="longest silence inside a request body (408 and closed)")
     max_connections: int = Field(4096, ge=1, description="open client connections; more are closed as they arrive")
     max_tokens_cap: int = Field(0, ge=0, description="largest max_tokens accepted (400 above; 0: the context bounds it)")
-    log_requests: bool = Field(False, description="log one line per request")
+    log_requests: bool = Field(False, description="access log: one line per inference request on the kvyard.access logger "
+                                                  "(status, worker, tokens, queue/TTFT/total time; orchestrator/access_log.py)")
+    log_requests_format: Literal["text", "json"] = Field("text", description="access log lines as key=value text or JSON")
     loop_stall_s: float = Field(1.0, ge=0, description="an event loop this late is a stall: counted and logged with "
                                                        "its stack (0: no watch)")
     router: RouterConfig = Field(default_factory=RouterConfig, description="routing policy and its parameters")

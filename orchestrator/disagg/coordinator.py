@@ -53,6 +53,7 @@ from orchestrator.disagg.decision import DisaggDecision, decide
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
 from orchestrator.errors import ServiceUnavailableError
 from orchestrator.metrics import FrontendMetrics
+from orchestrator.tracing import Tracing
 from orchestrator.routing import build_phase_routers
 from router import Endpoint, NoEndpointsError, RouteRequest, Router, RoutingDecision
 from router.config import KvPolicyConfig
@@ -272,9 +273,16 @@ class DisaggCoordinator:
         """POST to a prefill engine and read the whole answer within prefill_timeout_s."""
         headers = {"content-type": "application/json", "x-request-id": request_id}
         timeout = self.cfg.prefill_timeout_s
+        tracing = getattr(self.sender, "tracing", None) or Tracing.off()  # the prefill's own engine-attempt span
+        headers, span = tracing.attempt(ep, 0, headers)
 
         async def call() -> tuple[int, bytes]:
-            resp = await self.client.post(ep.url + path, json.dumps(body).encode(), headers, timeout)
+            try:
+                resp = await self.client.post(ep.url + path, json.dumps(body).encode(), headers, timeout)
+            except BaseException as exc:
+                tracing.end_attempt(span, error=f"{type(exc).__name__}: {exc}")
+                raise
+            tracing.end_attempt(span, status=resp.status_code)
             try:
                 return resp.status_code, await resp.aread()
             finally:

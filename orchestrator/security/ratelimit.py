@@ -174,6 +174,13 @@ def estimate_tokens(raw: bytes | dict, kind: str, context_len: Callable[[str], i
         return 0
     if not isinstance(body, dict):
         return 0
+    if kind in ("embeddings", "tokenize", "detokenize"):  # no generation: the input is the whole cost
+        return _prompt_tokens(body.get("input", body.get("prompt"))) + _message_tokens(body.get("messages")) + _prompt_tokens(body.get("tokens"))
+    if kind == "responses":  # input: a string or a list of message items; max_output_tokens bounds the generation
+        inp = body.get("input")
+        prompt = _prompt_tokens(inp) if isinstance(inp, str) else _message_tokens(inp)
+        gen = body.get("max_output_tokens")
+        return prompt + (gen if isinstance(gen, int) and gen >= 0 else COMPLETIONS_DEFAULT_MAX_TOKENS)
     prompt = _message_tokens(body.get("messages")) if kind == "chat" else _prompt_tokens(body.get("prompt"))
     n = body.get("n") if isinstance(body.get("n"), int) and body.get("n") > 0 else 1
     gen = body.get("max_completion_tokens") if kind == "chat" else None

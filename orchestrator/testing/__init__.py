@@ -3,6 +3,8 @@
     fake_engine     FakeEngine: a scriptable vLLM-shaped engine (JSON, SSE, faults on demand); winfo; free_port
     fault_engine    FaultEngine: an engine that dies, stalls or breaks streams mid-answer, on a script
     fake_pd_engine  FakePDEngine: the three engines' P/D hand-off protocols, with a book of what each side saw
+    sim_thread      ThreadedSim: the sim engine on a free port in a thread (a real engine for in-process tests)
+    otlp_receiver   OtlpReceiver: an OTLP/gRPC trace collector on 127.0.0.1 (what a frontend and vLLM export)
     procs           real processes: a private Redis, `kvyard worker` / `kvyard frontend` children, a cluster of them
 
 Not simulators: the simulated engine is workers/sim.

@@ -86,7 +86,7 @@ def build_tiny_model(python: str) -> Path:
     return TINY_MODEL_DIR
 
 
-def launch_config(name: str, workdir: Path) -> EngineLaunchConfig:
+def launch_config(name: str, workdir: Path, extra_args: tuple[str, ...] = ()) -> EngineLaunchConfig:
     common = dict(
         served_model_name=SERVED_MODEL, port=free_port(), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
         max_num_seqs=8, max_num_batched_tokens=2048, kv_events_topic=TOPIC,
@@ -94,19 +94,20 @@ def launch_config(name: str, workdir: Path) -> EngineLaunchConfig:
     )  # fmt: skip
     if name == "vllm":
         python = vllm_python_or_fail()
-        return EngineLaunchConfig(model=str(build_tiny_model(python)), python=python, **common)
+        return EngineLaunchConfig(model=str(build_tiny_model(python)), python=python, extra_args=list(extra_args), **common)
     if name == "sim":
-        return EngineLaunchConfig(model="h200-llama3.1-8b", extra_args=["--speedup", "50"], **common)
+        return EngineLaunchConfig(model="h200-llama3.1-8b", extra_args=["--speedup", "50", *extra_args], **common)
     raise ValueError(f"no contract config for engine {name!r}")
 
 
 @contextmanager
-def running_engine(name: str) -> Iterator[RunningEngine]:
-    """Start one engine, wait for /health, yield it, and always stop its whole process group."""
+def running_engine(name: str, extra_args: tuple[str, ...] = ()) -> Iterator[RunningEngine]:
+    """Start one engine, wait for /health, yield it, and always stop its whole process group. `extra_args`: more
+    engine flags (e.g. `--runner pooling`)."""
     workdir = Path(tempfile.mkdtemp(prefix=f"kvy-{name}-"))  # short: ipc:// paths are limited to ~100 bytes
     try:
         backend = get_backend(name)
-        cfg = launch_config(name, workdir)
+        cfg = launch_config(name, workdir, extra_args)
         process = EngineProcess(backend, cfg, log_path=workdir / "engine.log")
         try:
             process.start()

@@ -362,3 +362,116 @@ def test_kv_replay(engine, kv_sub):
     for m in live:
         pub = decode_pub_frames(m)
         assert by_seq[pub.seq].events == pub.events
+
+
+# ---- the rest of the OpenAI surface (goldens: tests/fixtures/vllm/surface.json, capture_surface.py) ------------
+
+SURFACE = json.loads((GOLDEN / "surface.json").read_text())
+
+
+def replay(engine, name: str) -> httpx.Response:
+    case = SURFACE[name]
+    return httpx.request(case["method"], engine.url + case["path"], json=case["request"], timeout=120)
+
+
+def token_maps(v: Any) -> Any:
+    """Completions' top_logprobs are maps keyed by token text: compared as one map of token -> number."""
+    if isinstance(v, dict):
+        return {k: ([{"<token>": next(iter(m.values()), 0.0)} for m in x] if k == "top_logprobs" and isinstance(x, list)
+                    and all(isinstance(m, dict) and "token" not in m for m in x) else token_maps(x)) for k, x in v.items()}
+    if isinstance(v, list):
+        return [token_maps(x) for x in v]
+    return v
+
+
+def assert_like_golden(name: str, r: httpx.Response) -> Any:
+    golden = SURFACE[name]
+    assert r.status_code == golden["status"], r.text
+    assert r.headers["content-type"].split(";")[0] == golden["content_type"].split(";")[0]
+    got = r.json()
+    assert shape_diff(token_maps(json.loads(golden["body"])), token_maps(got)) == []
+    return got
+
+
+@pytest.mark.parametrize("name", ["completion_echo", "completion_logprobs", "completion_batch_n2", "chat_logprobs", "tokenize_messages",
+                                  "detokenize", "response", "error_response_unknown_previous", "error_response_retrieve_unknown"])
+def test_surface_json_shapes(engine, name):
+    got = assert_like_golden(name, replay(engine, name))
+    req = SURFACE[name]["request"] or {}
+    if name == "completion_echo":
+        assert got["choices"][0]["text"].startswith(TEXT)
+    if name == "completion_batch_n2":  # choice p * n + i: prompt p's sample i, usage over all of them
+        assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+        assert 0 < got["usage"]["completion_tokens"] <= len(got["choices"]) * req["max_tokens"]
+    if name == "completion_logprobs":
+        lp = got["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == req["max_tokens"]
+        assert all(len(top) >= req["logprobs"] for top in lp["top_logprobs"])
+    if name == "chat_logprobs":
+        content = got["choices"][0]["logprobs"]["content"]
+        assert content and all(len(t["top_logprobs"]) == req["top_logprobs"] for t in content)
+
+
+@pytest.mark.parametrize("name", ["completion_logprobs_stream", "completion_batch_n2_stream"])
+def test_surface_stream_shapes(engine, name):
+    case = SURFACE[name]
+    golden = [c for c in sse_chunks(case["body"]) if c.get("choices")]
+    with httpx.stream("POST", engine.url + case["path"], json=case["request"], timeout=120) as r:
+        body = r.read().decode()
+    chunks = [c for c in sse_chunks(body) if c.get("choices")]
+    for c in chunks:
+        assert shape_diff(token_maps(golden[0]), token_maps(c)) == [] or shape_diff(token_maps(golden[-1]), token_maps(c)) == []
+    indices = {c["choices"][0]["index"] for c in chunks}
+    assert indices == {c["choices"][0]["index"] for c in golden}
+
+
+def response_events(body: str) -> list[tuple[str, Any]]:
+    out = []
+    for ev in body.strip().split("\n\n"):
+        kind, data = ev.split("\n", 1)
+        assert kind.startswith("event: ") and data.startswith("data: "), ev
+        out.append((kind[len("event: "):], json.loads(data[len("data: "):])))
+    return out
+
+
+def test_response_stream_events(engine):
+    case = SURFACE["response_stream"]
+    golden = dict(response_events(case["body"]))
+    with httpx.stream("POST", engine.url + case["path"], json=case["request"], timeout=120) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = response_events(r.read().decode())
+    kinds = [k for k, _ in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    for kind, data in events:
+        assert shape_diff(golden[kind], data) == [], kind
+
+
+def test_response_retrieve_and_previous_id(engine):
+    first = assert_like_golden("response", replay(engine, "response"))
+    got = httpx.get(f"{engine.url}/v1/responses/{first['id']}", timeout=60)
+    assert assert_like_golden("response_retrieve", got)["id"] == first["id"]
+    nxt = httpx.post(engine.url + "/v1/responses", json={**SURFACE["response_previous"]["request"], "previous_response_id": first["id"]},
+                     timeout=120)
+    second = assert_like_golden("response_previous", nxt)
+    assert second["previous_response_id"] == first["id"]
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+
+
+@pytest.fixture(scope="module", params=[pytest.param("vllm", marks=pytest.mark.vllm, id="vllm"), pytest.param("sim", id="sim")])
+def pooling_engine(request):
+    from tests.integration.conftest import running_engine
+
+    with running_engine(request.param, ("--runner", "pooling")) as running:
+        yield running
+
+
+@pytest.mark.parametrize("name", ["embedding", "embedding_base64_batch", "error_embedding_unknown_model"])
+def test_embeddings_shapes(pooling_engine, name):
+    got = assert_like_golden(name, replay(pooling_engine, name))
+    if name == "embedding":
+        vec = got["data"][0]["embedding"]
+        assert abs(sum(x * x for x in vec) - 1.0) < 1e-3  # unit length, as vLLM normalizes
+    if name == "embedding_base64_batch":
+        assert [d["index"] for d in got["data"]] == [0, 1] and all(isinstance(d["embedding"], str) for d in got["data"])

@@ -228,6 +228,8 @@ BAD_VALUES = {
                            ["kvyard: pools[0] (agg)", "above maxReplicas 3"]),
     "replicas-below-min": ("pools: [{name: agg, backend: sim, model: m, replicas: 0, minReplicas: 1}]",
                            ["kvyard: pools[0] (agg)", "below minReplicas 1"]),
+    "tracing-without-endpoint": ("tracing: {enabled: true}\nredis: {auth: {password: 0123456789abcdef0123}}", ["kvyard: tracing.enabled needs tracing.endpoint"]),
+    "bad-tracing-protocol": ("tracing: {protocol: zipkin}", ["/tracing/protocol", "value must be one of 'grpc', 'http/protobuf'"]),
     "engine-config-on-vllm": ("pools: [{name: agg, backend: vllm, model: m, engineConfig: {a: 1}}]",
                               ["kvyard: pools[0] (agg)", "trtllm pools only"]),
     "kv-port-equals-port": ("poolDefaults: {port: 8100, kvEvents: {port: 8100}}", ["kvyard: pools[0]", "kvEvents.port must differ"]),
@@ -302,7 +304,8 @@ def test_frontend_config_file_reaches_the_frontend(rendered: dict[str, list[dict
     cm = one(objs, "ConfigMap", "kv-frontend")
     assert yaml.safe_load(cm["data"]["frontend.yaml"]) == {"frontend": {
         "resilience": {"max_attempts": 2, "first_byte_timeout_s": 120}, "header_timeout_s": 10,
-        "security": {"allowed_hosts": ["kvyard.example.com"], "request_fields": {"allow": ["priority"], "unknown": "drop"}}}}
+        "security": {"allowed_hosts": ["kvyard.example.com"], "request_fields": {"allow": ["priority"], "unknown": "drop"}},
+        "telemetry": {"tracing": {"enabled": True, "endpoint": "http://tempo.monitoring:4317", "protocol": "grpc", "sample_ratio": 0.5}}}}
     dep = one(objs, "Deployment", "kv-frontend")
     assert "--config=/etc/kvyard/frontend.yaml" in container(dep)["args"]
     mounts = {m["name"]: m["mountPath"] for m in container(dep)["volumeMounts"]}
@@ -353,6 +356,18 @@ def test_worker_pools_gpus_ports_probes(rendered: dict[str, list[dict]]) -> None
     fe = one(objs, "Deployment", "demo-kvyard-frontend")
     assert {m["mountPath"] for m in container(fe)["volumeMounts"] if m["name"] == "models"} == {"/models"}
     assert {v["name"] for v in fe["spec"]["template"]["spec"]["volumes"]} >= {"config", "tmp", "models"}
+
+
+def test_tracing_values_reach_the_frontend_and_the_vllm_engines(rendered: dict[str, list[dict]]) -> None:
+    objs = rendered["all-backends"]
+    c = container(one(objs, "Deployment", "kv-pool-vllm-agg"))
+    tail = c["args"][c["args"].index("--") + 1:]
+    assert tail[tail.index("--otlp-traces-endpoint") + 1] == "http://tempo.monitoring:4317"
+    assert env_of(c)["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"]["value"] == "grpc"
+    sg = container(one(objs, "Deployment", "kv-pool-sg-prefill"))
+    assert "--otlp-traces-endpoint" not in sg["args"]  # only vLLM takes the flag
+    for obj in rendered["default"]:  # off by default: nothing traced
+        assert "otlp" not in json.dumps(obj).lower()
 
 
 def test_sglang_and_trtllm_pd_settings(rendered: dict[str, list[dict]]) -> None:

@@ -120,6 +120,7 @@ class SimConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
     mm: MmTokenSpec = field(default_factory=MmTokenSpec)
+    runner: str = "generate"  # vLLM's --runner: "pooling" serves /v1/embeddings (workers/sim/responses_api.py)
 
     @property
     def disagg_enabled(self) -> bool:
@@ -160,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uvicorn-loop", choices=["auto", "asyncio", "uvloop"], default="auto")
     p.add_argument("--uvicorn-http", choices=["auto", "h11", "httptools"], default="auto")
     p.add_argument("--flavor", choices=FLAVORS, default="vllm")
+    p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto")
     p.add_argument("--kv-transfer-config", default=None)
     p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default="null")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
@@ -269,4 +271,5 @@ def parse_args(argv: Sequence[str] | None = None, hash_seed: str | None = None, 
         lora_modules=modules,
         runtime_lora_updating=env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
         mm=MmTokenSpec(ns.mm_image_tokens, ns.mm_image_token_id, ns.mm_audio_tokens, ns.mm_audio_token_id),
+        runner="pooling" if ns.runner == "pooling" else "generate",
     )

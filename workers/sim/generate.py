@@ -42,11 +42,13 @@ from starlette.responses import Response
 from workers.multimodal import ContentError, flatten_messages, tokenize_mm_chat
 from workers.sim.disagg import Handoff
 from workers.sim.engine import RequestStream
+from workers.sim.logprobs import Logprobs
 from workers.sim.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
+    logprobs_k,
     parse_body,
     validate_sampling,
 )
@@ -223,29 +225,31 @@ async def _wait_any(streams: list[RequestStream]) -> None:
 
 async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: Any, prompt_ids: list[int], max_tokens: int,
                     echo_text: str | None, arrival: float, handoff: Handoff | None = None, lora: tuple[str, str] | None = None,
-                    mm_items: tuple = ()) -> Any:
+                    mm_items: tuple = (), batch: list[tuple[list[int], str | None, int]] = ()) -> Any:
     """Run the request's `n` sequences (one engine request each, sharing the prompt's KV through the
-    prefix cache like vLLM's parallel sampling) and answer in one body or as SSE chunks."""
+    prefix cache like vLLM's parallel sampling) and answer in one body or as SSE chunks. `batch`: the further
+    prompts of a batched completion, (ids, echo text, max_tokens) each; choice p * n + i is prompt p's sample i."""
     engine = st.engine
     n = body.n
-    if n > 1 and handoff is not None:
+    if (n > 1 or batch) and handoff is not None:
         raise bad_request("n > 1 is not supported on a P/D hand-off by the kvyard sim engine.", "n", n)
+    prompts = [(prompt_ids, echo_text, max_tokens), *batch]
     key = f"{rid}-{next(_counter)}"
-    keys = [key] if n == 1 else [f"{key}-{i}" for i in range(n)]
+    keys = [key] if n == 1 and not batch else [f"{key}-{j}" for j in range(n * len(prompts))]
     h = handoff
     if h is not None and h.role == "decode" and h.remote is not None and h.remote.state == "failed" and h.remote.recompute_on_failure:
         h = None  # vLLM, invalid params under kv_load_failure_policy=recompute: a plain local prefill
     if h is not None and h.max_tokens is not None:
-        max_tokens = min(max_tokens, h.max_tokens)
+        prompts[0] = (prompt_ids, echo_text, min(max_tokens, h.max_tokens))
     greedy = body.temperature == 0  # greedy samples are all the same sequence
     streams: list[RequestStream] = [
         engine.submit(
-            k, prompt_ids, max_tokens, st.text.source(prompt_ids, 0 if greedy else i), min_tokens=body.min_tokens,
-            stop_token_ids=body.stop_token_ids or (), arrival=arrival,
+            k, prompts[j // n][0], prompts[j // n][2], st.text.source(prompts[j // n][0], 0 if greedy else j % n),
+            min_tokens=body.min_tokens, stop_token_ids=body.stop_token_ids or (), arrival=arrival,
             hold_blocks=h is not None and h.role == "prefill", remote=h.remote if h is not None and h.role == "decode" else None,
             lora=lora, mm_items=mm_items,
         )
-        for i, k in enumerate(keys)
+        for j, k in enumerate(keys)
     ]
     stream = streams[0]
     if h is not None:
@@ -253,9 +257,14 @@ async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: 
         st.disagg.submitted(key, h)
     outs = [_Output(st.text, body.stop_list(), body.include_stop_str_in_output, body.min_tokens) for _ in keys]
     want_ids = bool(body.return_token_ids) and st.cfg.flavor == "vllm"  # a vLLM field; the other engines ignore it
-    if want_ids and echo_text is not None:
-        echo_text = ""  # vLLM 0.32: with return_token_ids, echo adds no prompt text
+    if want_ids:  # vLLM 0.32: with return_token_ids, echo adds no prompt text
+        prompts = [(ids, None if echo is None else "", mt) for ids, echo, mt in prompts]
+    echoes = [echo for _, echo, _ in prompts]
+    k = logprobs_k(body)
+    tok = st.tokenizer
+    lps = None if k is None else [Logprobs(lambda t: tok.decode([t], skip_special_tokens=False), tok.vocab_size, k, chat) for _ in keys]
     prompt_list = list(prompt_ids) if want_ids else None
+    prompt_tokens = sum(len(ids) for ids, _, _ in prompts)
     created = int(time.time())
     model = st.cfg.model_name
     details = st.cfg.enable_prompt_tokens_details
@@ -275,17 +284,17 @@ async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: 
 
     if body.stream:
         opts = body.stream_options
-        writer = ChunkWriter(chat, rid, created, model, st.fingerprint, len(prompt_ids),
+        writer = ChunkWriter(chat, rid, created, model, st.fingerprint, prompt_tokens,
                              bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats),
                              prompt_details=details)
-        active = list(range(n))
-        started = [False] * n
+        active = list(range(len(keys)))
+        started = [False] * len(keys)
         state = {"first": True, "done": False}
 
         async def produce() -> bytes | None:
             if state["done"]:
                 return None
-            if n == 1:
+            if len(keys) == 1:
                 ready = active  # next() waits
             else:
                 ready = [i for i in active if streams[i].ready]
@@ -308,11 +317,11 @@ async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: 
                 if not started[i]:
                     started[i] = True
                     if not chat:
-                        prompt_first = prompt_list
-                        if echo_text is not None:
-                            delta = echo_text + delta
+                        prompt_first = list(prompts[i // n][0]) if want_ids else None
+                        if echoes[i // n] is not None:
+                            delta = echoes[i // n] + delta
                 parts.append(writer.content(delta, outs[i].n_tokens, finish, stop_reason, ids if want_ids else None,
-                                            prompt_first, index=i))
+                                            prompt_first, index=i, logprobs=lps[i].of(ids) if lps else None))
                 if finish is not None:
                     active.remove(i)
             if not active:
@@ -330,7 +339,7 @@ async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: 
 
         return _SSEResponse(produce, abort_all, on_end)
 
-    collect = asyncio.ensure_future(asyncio.gather(*(_collect(next_piece, i) for i in range(n))))
+    collect = asyncio.ensure_future(asyncio.gather(*(_collect(next_piece, i) for i in range(len(keys)))))
     watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
         done, _ = await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -347,9 +356,10 @@ async def _generate(st: SimState, request: Request, chat: bool, rid: str, body: 
         abort_all()
         return error_response(_load_error(st, h), st.cfg.flavor)
     cached = _cached_tokens(stream, h)
-    usage = usage_dict(len(prompt_ids), sum(o.n_tokens for o in outs), cached, details)
-    choices = [Choice(o.text if echo_text is None else echo_text + o.text, finish, stop_reason, o.ids if want_ids else None)
-               for o, (finish, stop_reason) in zip(outs, ends)]
+    usage = usage_dict(prompt_tokens, sum(o.n_tokens for o in outs), cached, details)
+    choices = [Choice(o.text if echoes[j // n] is None else echoes[j // n] + o.text, finish, stop_reason, o.ids if want_ids else None,
+                      lps[j].of(o.ids) if lps else None)
+               for j, (o, (finish, stop_reason)) in enumerate(zip(outs, ends))]
     build = chat_body if chat else completion_body
     kv_params, choice_extra, top_extra = None, None, None
     held = engine.scheduler.held.get(key)
@@ -383,22 +393,22 @@ async def completions(request: Request) -> Any:
         validate_sampling(body)
         _check_max_tokens(body.max_tokens, "max_tokens", st.cfg.max_model_len)
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise bad_request("Several prompts in one request are not supported by the kvyard sim engine.", "prompt")
-            prompt = prompt[0]
-        if prompt is None or prompt == "" or prompt == []:
-            raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
-        if isinstance(prompt, str):
-            ids = st.tokenizer.encode(prompt)
-            _check_prompt_len(st, len(ids), from_text=True)
-        else:
-            ids = list(prompt)
-            _check_prompt_len(st, len(ids), from_text=False)
-        max_tokens = _effective_max_tokens(st, body.max_tokens if body.max_tokens is not None else 16, len(ids), body.min_tokens)
-        echo = (prompt if isinstance(prompt, str) else st.tokenizer.decode(ids)) if body.echo else None
+        many = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        prepared = []  # (ids, echo text, max_tokens) of each prompt, in order
+        for one in many:
+            if one is None or one == "" or one == []:
+                raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+            if isinstance(one, str):
+                ids = st.tokenizer.encode(one)
+                _check_prompt_len(st, len(ids), from_text=True)
+            else:
+                ids = list(one)
+                _check_prompt_len(st, len(ids), from_text=False)
+            max_tokens = _effective_max_tokens(st, body.max_tokens if body.max_tokens is not None else 16, len(ids), body.min_tokens)
+            prepared.append((ids, (one if isinstance(one, str) else st.tokenizer.decode(ids)) if body.echo else None, max_tokens))
         rid = "cmpl-" + _base_id(request, body.request_id)
-        return await _generate(st, request, False, rid, body, ids, max_tokens, echo, arrival, handoff, lora)
+        ids, echo, max_tokens = prepared[0]
+        return await _generate(st, request, False, rid, body, ids, max_tokens, echo, arrival, handoff, lora, batch=prepared[1:])
     except ApiError as err:
         st.server_load -= 1
         _reject_cleanup(st, body)

@@ -7,7 +7,8 @@ Errors look exactly like vLLM's: `{"error": {"message", "type", "param", "code"}
   `loc` joined as `body.<field>` (vLLM's RequestValidationError handler);
 - `NotFoundError` / 404 for an unknown model.
 Unknown request fields are accepted and ignored (vLLM logs and ignores them too).
-Sim limitations (400): `logprobs`/`prompt_logprobs`, several prompts in one request, `n > 1` on a P/D hand-off.
+Sim limitations (400): `prompt_logprobs`, `logprobs` with `echo`, `n > 1` on a P/D hand-off (the logprob values
+themselves are made up: workers/sim/logprobs.py).
 `best_of` is accepted and ignored, as vLLM 0.32 (V1) does.
 """
 
@@ -18,12 +19,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from workers.sim.logprobs import MAX_LOGPROBS
+
 __all__ = [
     "ApiError",
     "ChatCompletionRequest",
     "CompletionRequest",
     "StreamOptions",
     "bad_request",
+    "logprobs_k",
     "parse_body",
     "validate_sampling",
 ]
@@ -152,6 +156,18 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
         raise _schema_error(errors) from exc
 
 
+def logprobs_k(req: _Common) -> int | None:
+    """Alternatives per token the request asks for: completions' `logprobs: k`, chat's `logprobs: true` with
+    `top_logprobs: k` (0 when absent); None: no logprobs."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs is not True:
+            return None
+        top = (req.model_extra or {}).get("top_logprobs")
+        return int(top) if isinstance(top, int) and not isinstance(top, bool) and top >= 0 else 0
+    lp = req.logprobs
+    return lp if isinstance(lp, int) and not isinstance(lp, bool) and lp >= 0 else None
+
+
 def validate_sampling(req: _Common) -> None:
     """vLLM's request-level and SamplingParams checks that do not depend on the prompt."""
     if req.stream_options is not None and not req.stream:
@@ -161,8 +177,13 @@ def validate_sampling(req: _Common) -> None:
     if req.n > MAX_N_SEQUENCES:
         raise bad_request(f"n must be at most {MAX_N_SEQUENCES}, got {req.n}. To increase this limit, set the "
                           "VLLM_MAX_N_SEQUENCES environment variable.")
-    if req.logprobs not in (None, False) or req.prompt_logprobs is not None:
-        raise bad_request("logprobs are not supported by the kvyard sim engine.", "logprobs", req.logprobs)
+    if req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs are not supported by the kvyard sim engine.", "prompt_logprobs", req.prompt_logprobs)
+    k = logprobs_k(req)
+    if k is not None and k > MAX_LOGPROBS:
+        raise bad_request(f"Requested sample logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}", "logprobs", k)
+    if k is not None and getattr(req, "echo", False):
+        raise bad_request("logprobs with echo are not supported by the kvyard sim engine.", "logprobs", k)
     if req.temperature is not None:
         if req.temperature < 0:
             raise bad_request(f"temperature must be non-negative, got {req.temperature}.", "temperature", req.temperature)

@@ -49,10 +49,12 @@ def usage_dict(prompt: int, completion: int, cached: int | None, details: bool) 
 class Choice:
     """One finished choice of a non-streaming body: its text, ending and (with `return_token_ids`) ids."""
 
-    __slots__ = ("text", "finish", "stop_reason", "token_ids")
+    __slots__ = ("text", "finish", "stop_reason", "token_ids", "logprobs")
 
-    def __init__(self, text: str, finish: str | None, stop_reason: Any = None, token_ids: list[int] | None = None) -> None:
+    def __init__(self, text: str, finish: str | None, stop_reason: Any = None, token_ids: list[int] | None = None,
+                 logprobs: dict[str, Any] | None = None) -> None:
         self.text, self.finish, self.stop_reason, self.token_ids = text, finish, stop_reason, token_ids
+        self.logprobs = logprobs
 
 
 def _choices(text: str | list[Choice], finish: str | None, stop_reason: Any) -> list[Choice]:
@@ -68,7 +70,7 @@ def completion_body(rid: str, created: int, model: str, text: str | list[Choice]
     response adds (TRT-LLM's P/D hand-off)."""
     return _with_extras({
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish, "stop_reason": c.stop_reason,
+        "choices": [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish, "stop_reason": c.stop_reason,
                      "token_ids": c.token_ids, "prompt_logprobs": None, "prompt_token_ids": prompt_token_ids,
                      "routed_experts": None} for i, c in enumerate(_choices(text, finish, stop_reason))],
         "service_tier": None, "system_fingerprint": fingerprint, "usage": usage,
@@ -95,7 +97,7 @@ def chat_body(rid: str, created: int, model: str, text: str | list[Choice], fini
 
     return _with_extras({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": i, "message": message(c.text), "logprobs": None, "finish_reason": c.finish,
+        "choices": [{"index": i, "message": message(c.text), "logprobs": c.logprobs, "finish_reason": c.finish,
                      "stop_reason": c.stop_reason, "token_ids": c.token_ids, "routed_experts": None}
                     for i, c in enumerate(_choices(text, finish, stop_reason))],
         "service_tier": None, "system_fingerprint": fingerprint, "usage": usage,
@@ -141,7 +143,8 @@ class ChunkWriter:
                 + usage + f',"prompt_token_ids":{prompt},"prompt_text":null}}\n\n').encode()
 
     def content(self, text: str, completion_tokens: int, finish: str | None = None, stop_reason: Any = None,
-                token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None, index: int = 0) -> bytes:
+                token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None, index: int = 0,
+                logprobs: dict[str, Any] | None = None) -> bytes:
         """One content chunk of choice `index`. `token_ids`: the delta's ids (None: the flag is off);
         `prompt_token_ids`: completions' first chunk of each index under `return_token_ids`."""
         if finish is None:
@@ -155,7 +158,8 @@ class ChunkWriter:
         else:
             tail = f',"prompt_token_ids":{_ids(prompt_token_ids)},"token_ids":{_ids(token_ids)}}}]'
         opening = self._open if index == 0 else self._open.replace('"index":0', f'"index":{index}', 1)
-        s = self.head + opening + dumps(text) + self._mid + fin + tail
+        mid = self._mid if logprobs is None else self._mid.replace("null", dumps(logprobs), 1)
+        s = self.head + opening + dumps(text) + mid + fin + tail
         if self.continuous:
             s += self._usage(completion_tokens)
         if finish is not None and not self.include_usage:

@@ -1,8 +1,9 @@
 """The sim's HTTP server: vLLM 0.32's OpenAI-compatible routes on Starlette.
 
-Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health,
-/ping, /metrics, /load, /version, /kv_event_sources; with runtime LoRA updating, the adapter routes of
-workers/sim/adapters.py. Generation handlers are in `workers.sim.generate`.
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (+ GET /v1/responses/{id}, POST .../cancel),
+/tokenize, /detokenize; GET /v1/models, /health, /ping, /metrics, /load, /version, /kv_event_sources; with
+`--runner pooling`, POST /v1/embeddings (workers/sim/responses_api.py); with runtime LoRA updating, the adapter
+routes of workers/sim/adapters.py. Generation handlers are in `workers.sim.generate`.
 `build_app(cfg)` wires tokenizer -> engine (scheduler, KV manager, timing, metrics, publisher); the
 engine loop and the ZMQ sockets start in the app's lifespan.
 
@@ -255,6 +256,7 @@ class _DetokenizeBody(BaseModel):
 
 def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
     from workers.sim.generate import chat_completions, completions
+    from workers.sim.responses_api import cancel_response, create_response, embeddings, retrieve_response
 
     st = state or build_state(cfg)
 
@@ -300,6 +302,12 @@ def build_app(cfg: SimConfig, state: SimState | None = None) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
+    if cfg.runner == "pooling":
+        routes.append(Route("/v1/embeddings", embeddings, methods=["POST"]))
+    elif cfg.flavor == "vllm":
+        routes += [Route("/v1/responses", create_response, methods=["POST"]),
+                   Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+                   Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"])]
     if cfg.runtime_lora_updating and cfg.flavor in ("vllm", "sglang"):
         prefix = "/v1" if cfg.flavor == "vllm" else ""
         routes.append(Route(f"{prefix}/load_lora_adapter", load_lora_adapter, methods=["POST"]))

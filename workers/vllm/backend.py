@@ -129,7 +129,9 @@ class VllmBackend:
         self.validate(cfg)
         program = cfg.engine_cmd or [cfg.python or find_vllm_python(), "-m", "vllm.entrypoints.openai.api_server"]
         argv = [*program, *server_args(cfg)]
-        env: dict[str, str] = {}
+        # the Responses API keeps each response on the engine for retrieval and `previous_response_id`
+        # (kvyard pins the id to this worker: orchestrator/passthrough.py); vLLM keeps none unless told to
+        env: dict[str, str] = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
         if self.device == "cpu":
             argv += ["--enforce-eager", "--dtype", "bfloat16"]
             env.update(self.cpu_env(cfg))

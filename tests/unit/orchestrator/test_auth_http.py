@@ -171,9 +171,10 @@ async def test_dashboard_page_is_a_shell_that_sends_the_token(keyed):
 ENGINE_PATHS = [
     ("GET", "/kv_cache_events"), ("POST", "/collective_rpc"), ("POST", "/reset_prefix_cache"), ("POST", "/sleep"),
     ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/v1/load_lora_adapter"),
-    ("POST", "/v1/unload_lora_adapter"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/server_info"),
+    ("POST", "/v1/unload_lora_adapter"), ("GET", "/server_info"),
     ("POST", "/start_profile"), ("POST", "/stop_profile"), ("POST", "/scale_elastic_ep"), ("POST", "/update_weights"),
-    ("POST", "/flush_cache"), ("GET", "/get_server_info"), ("POST", "/abort_request"), ("POST", "/v1/embeddings"),
+    ("POST", "/flush_cache"), ("GET", "/get_server_info"), ("POST", "/abort_request"), ("GET", "/v1/responses/a/b"),
+    ("DELETE", "/v1/responses/x"),
     ("POST", "/kvyard/continue"), ("GET", "/v1/completions/../../collective_rpc"), ("POST", "/v1/../sleep"),
     ("GET", "/engine/metrics"), ("GET", "/workers/a/metrics"), ("POST", "/v1/completions/extra"), ("GET", "/proxy/http://127.0.0.1/"),
 ]
@@ -198,9 +199,13 @@ def test_the_frontend_serves_a_closed_set_of_routes():
     assert "/api/pools" in served and "/admin/targets" in served
     allowed = {"/", "/v1/completions", "/v1/chat/completions", "/v1/models", "/live", "/health", "/metrics", "/dashboard",
                "/api/cluster", "/api/pools", "/admin/targets", "/admin/targets/history", "/admin/planner/decisions",
-               "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+               "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+               # forwarded whole to an engine (orchestrator/passthrough.py), authorised like generation
+               "/v1/embeddings", "/tokenize", "/detokenize", "/v1/responses", "/v1/responses/{response_id}",
+               "/v1/responses/{response_id}/cancel"}
     assert served <= allowed, served - allowed
-    assert not any("{" in p for p in served), "a path parameter could forward arbitrary paths"
+    # the one path parameter: a response id, checked against RESPONSE_ID before it goes into an engine's URL
+    assert {p for p in served if "{" in p} == {"/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"}
 
 
 async def test_no_credential_reaches_the_logs(keyed, caplog):
@@ -238,3 +243,14 @@ async def test_no_credential_reaches_the_logs(keyed, caplog):
 def test_redact_patterns(line, leak):
     out = redact(line)
     assert leak not in out and "***" in out
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/embeddings"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                                         ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"),
+                                         ("POST", "/v1/responses/resp_1/cancel")])
+async def test_forwarded_endpoints_need_a_key(keyed, method, path):
+    with FakeEngine() as eng:
+        await keyed.add(winfo("a", eng.url))
+        r = await keyed.client.request(method, path, json={"model": "m", "input": "x"})
+        openai_error(r, 401, "invalid_api_key")
+        assert eng.requests == []

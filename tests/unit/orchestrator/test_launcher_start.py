@@ -88,3 +88,16 @@ def test_loose_nixl_engines_on_a_cpu_host_are_flagged(tmp_path) -> None:
     assert cluster(prefill_workers=1, decode_workers=1).nixl_on_shared_cpus()
     assert not cluster(prefill_workers=1, decode_workers=1, engine_cpus="1").nixl_on_shared_cpus()
     assert not cluster(workers=2).nixl_on_shared_cpus()  # aggregated: no NIXL
+
+
+def test_vllm_engines_export_traces_where_the_frontend_does(tmp_path):
+    from orchestrator.launcher import engine_config
+
+    on = {"telemetry": {"tracing": {"enabled": True, "endpoint": "http://tempo:4317"}}}
+    cfg = engine_config(ClusterConfig(backend="vllm", model="m", log_dir=tmp_path, frontend=on), 8100, None, None)
+    assert cfg.extra_args[:2] == ["--otlp-traces-endpoint", "http://tempo:4317"]
+    assert cfg.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
+    off = engine_config(ClusterConfig(backend="vllm", model="m", log_dir=tmp_path), 8100, None, None)
+    assert "--otlp-traces-endpoint" not in off.extra_args
+    sim = engine_config(ClusterConfig(backend="sim", log_dir=tmp_path, frontend=on), 8100, None, None)
+    assert "--otlp-traces-endpoint" not in sim.extra_args  # the sim does not trace
