@@ -14,7 +14,9 @@ __all__ = ["make_ops_router", "INDEX"]
 # GET / answers with where things are (a browser or `curl` on the bare address lands somewhere useful)
 INDEX = {
     "service": "kvyard",
-    "openai": {"models": "/v1/models", "chat": "/v1/chat/completions", "completions": "/v1/completions"},
+    "openai": {"models": "/v1/models", "chat": "/v1/chat/completions", "completions": "/v1/completions",
+               "embeddings": "/v1/embeddings", "responses": "/v1/responses"},
+    "tokens": {"tokenize": "/tokenize", "detokenize": "/detokenize"},
     "dashboard": "/dashboard",
     "health": {"live": "/live", "ready": "/health"},
     "metrics": "/metrics",

@@ -208,6 +208,19 @@ def test_the_frontend_serves_a_closed_set_of_routes():
     assert {p for p in served if "{" in p} == {"/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel"}
 
 
+def test_the_index_at_root_names_only_served_routes():
+    from orchestrator.routes.ops import INDEX
+
+    def paths(node):
+        return [node] if isinstance(node, str) else [p for v in node.values() for p in paths(v)]
+
+    app = create_app(FrontendConfig(grpc_port=0))
+    served = set(app.openapi()["paths"]) | {r.path for r in app.routes if hasattr(r, "path")}
+    named = paths({k: v for k, v in INDEX.items() if k != "service"})
+    assert "/v1/embeddings" in named and "/tokenize" in named
+    assert set(named) <= served, set(named) - served
+
+
 async def test_no_credential_reaches_the_logs(keyed, caplog):
     caplog.set_level(logging.DEBUG)
     c = keyed.client
