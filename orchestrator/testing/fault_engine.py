@@ -94,6 +94,9 @@ class FaultEngine(ThreadedEngine):
                                                               "logprobs": None, "finish_reason": None}]}) + "\n\n"
             for k in range(n):
                 if break_after is not None and k == break_after:
+                    # a real engine dies between steps, after its last event went out: without the pause the event
+                    # and the broken chunked ending can reach the frontend in one read, which then sees no event
+                    await asyncio.sleep(0.05)
                     raise RuntimeError("engine died mid-stream")
                 if stop_after is not None and k == stop_after:
                     return
