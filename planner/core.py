@@ -6,10 +6,12 @@ Per managed pool (every pool listed in the targets), each tick:
                the newest bucket older than stale_after_s): keep the current count (only min/max
                are still enforced).
   2. predict   feed the window's demand (arrival rate, else finish rate; mean ISL, OSL, KV hit rate)
-               to one predictor per quantity; forecast 1 + lookahead_s/interval_s ticks ahead
-               (the prompt-length spread CV² is taken as last observed; with the peak_trend
-               predictor only the rate takes the recent peak, the means use its Kalman part). The
-               rate is then sized with headroom: × min(1 + demand_z·√(MS − noise), max_headroom),
+               to one predictor per quantity. The rate is forecast 1 + lookahead_s/interval_s ticks ahead
+               (with peak_trend, a recent window floors it only where it stood out of the trend by more than
+               its own Poisson sampling error, 1.28/√N for N arrivals); ISL, OSL and hit rate are means of the
+               request mix and are taken at their filtered level, not run ahead (a trend fitted to their
+               sampling noise, extrapolated, sizes for that noise). The prompt-length spread CV² is taken as
+               last observed. The rate is then sized with headroom: × min(1 + demand_z·√(MS − noise), max_headroom),
                MS the mean square of the relative one-tick forecast errors of the pool's work
                (prompt tokens/s for prefill, rate·osl·context for decode; EWMA, weight 0.2) and
                noise the window's own sampling error of that work, (1 + CV²)/N for N requests
@@ -17,10 +19,12 @@ Per managed pool (every pool listed in the targets), each tick:
   3. size      sla:    replicas from the perf model for the predicted demand (sla.py);
                load:   current ± 1 from queue/KV/latency thresholds (load.py);
                hybrid: sla replicas + a load correction k >= 0 (k += 1 on a load 'up' the SLA
-                       count did not already cover, k −= 1 on a 'down' at most once per
-                       scale_down_cooldown_s) — the SLA count is a floor. A prefill pool's queue
-                       is not an 'up' signal here (the SLA count plans for queueing up to the
-                       TTFT target; its observed TTFT p90 is), unless hybrid_prefill_queue.
+                       count did not already cover, but not within lookahead_s of the pool's last
+                       scale-up: the replicas asked for are still starting and the signal is the fleet
+                       without them; k −= 1 on a 'down' at most once per scale_down_cooldown_s) — the
+                       SLA count is a floor. A pool that prefills (prefill or aggregated) does not take
+                       its queue as an 'up' signal here (the SLA count plans for queueing up to the TTFT
+                       target; its observed TTFT p90 is), unless hybrid_prefill_queue.
   4. guard     clamp to [min_replicas, max_replicas]; move at most max_step per tick; scale down
                only to the highest count wanted within scale_down_window_s (HPA-style
                stabilization) and not within scale_down_cooldown_s of the pool's last change.

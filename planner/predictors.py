@@ -13,9 +13,11 @@
     peak_trend      an ensemble for the request rate: max(Kalman trend forecast, highest of the last
                       `window` observations). The Kalman filter smooths a step in load over several
                       ticks (its gain is ~0.3), so alone it sizes a burst's first ticks for a fraction
-                      of it; the recent peak follows a step at once, the trend leads a ramp. Costs a
-                      little in steady state (the max of noisy points), which the planner's headroom,
-                      measured on this forecast's own errors, then needs less of.
+                      of it; the recent peak follows a step at once, the trend leads a ramp. An
+                      observation counts as a peak only where it exceeded the trend's one-tick forecast
+                      by more than z = 1.28 times its own relative sampling error (`noise` given to
+                      observe: 1/√N for a count of N arrivals); otherwise the max of noisy windows would
+                      size a steady load for the top of its noise.
 All forecasts are floored at 0; `predict` returns None before the first observation. Pure, sync.
 """
 

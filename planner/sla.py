@@ -15,7 +15,10 @@ Decode (ctx = isl + osl/2, B* = best_batch(ctx, ITL target), Dynamo's binary sea
     like a Poisson count, so x is capped where its p90 fits: x + 1.28·√x <= B*, i.e.
     x_max = ((−1.28 + √(1.28² + 4B*))/2)²;  n = ceil(L / x_max).
     A tokens/s target adds n >= tokens_per_s / (B*/ITL(B*)).
-Aggregated (role both): n = ceil(a/max_util + L/x_max) — prefill busy time and decode slots summed.
+Aggregated (role both): one replica's time is shared between the phases. With n replicas each prefills a share
+    ρ = a/n of its time, so its running sequences get a mean inter-token gap of ITL_dec(B)/(1 − ρ); decode's batch
+    B* is searched within the target's decode share, ITL target·(1 − ρ). n = the smallest n >= a/max_util where
+    L/n (L from Little's law at that gap) fits the p90 batch cap and the TTFT tail fits as for prefill.
 """
 
 from __future__ import annotations
