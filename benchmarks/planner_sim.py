@@ -1,7 +1,7 @@
 """Planner benchmark on `kvyard replay`: kvyard's planner, Dynamo's planner, static at peak and the oracle, on the same
 engines and loads; minutes within the SLA and GPU-seconds.
 
-    python -m benchmarks planner [--loads mooncake,daily,walk] [--out planner_sim]
+    python -m benchmarks planner [--loads mooncake,daily,walk,walk2] [--sweep demand_z=0,0.64,2.5] [--out planner_sim]
     .venv/bin/python benchmarks/planner_sim.py [same flags]
 
 Every run serves the same JSONL through an aggregated pool of engines on the mocker's terms (the bundled H200 profile
@@ -32,7 +32,7 @@ Loads (files in a temp dir; bodies are the conversation trace's: lengths and pre
                (--walk2-ttft / --walk2-itl), so a different fleet
 kvyard's planner also runs at the --sweep settings (default: its demand_z, the z of the forecast error it sizes for, at
 0, 0.64, 2.5 beside the default 1.28): its cost/SLA trade-off, beside Dynamo's points, in the same run.
-Writes benchmarks/results/planner_sim.{json,md} and planner_sim_<load>.png.
+Writes benchmarks/results/planner_sim.{json,md}, planner_sim_<load>.png and planner_sim_pareto.png.
 """
 
 from __future__ import annotations
