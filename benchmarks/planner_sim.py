@@ -1,7 +1,7 @@
 """Planner benchmark on `kvyard replay`: kvyard's planner, Dynamo's planner, static at peak and the oracle, on the same
 engines and loads; minutes within the SLA and GPU-seconds.
 
-    python -m benchmarks planner [--loads mooncake,daily,walk] [--out planner_sim]
+    python -m benchmarks planner [--loads mooncake,daily,walk,walk2] [--sweep demand_z=0,0.64,2.5] [--out planner_sim]
     .venv/bin/python benchmarks/planner_sim.py [same flags]
 
 Every run serves the same JSONL through an aggregated pool of engines on the mocker's terms (the bundled H200 profile
@@ -27,7 +27,12 @@ Loads (files in a temp dir; bodies are the conversation trace's: lengths and pre
                req/s, 3 bursts ×1.6 for 3 min; bodies drawn from the trace
     walk       synthetic walk, a shape nobody tuned to (a seeded random walk of the rate with two flash crowds): chosen and
                fixed before any planner ran on it, and no setting was changed after
-Writes benchmarks/results/planner_sim.{json,md} and planner_sim_<load>.png.
+    walk2      a second untuned shape, added after the planner's sizing was reworked on the three above and not run before
+               that: another seed, a rate redrawn every minute (σ 0.35) with three ×1.5 crowds, and its own SLA
+               (--walk2-ttft / --walk2-itl), so a different fleet
+kvyard's planner also runs at the --sweep settings (default: its demand_z, the z of the forecast error it sizes for, at
+0, 0.64, 2.5 beside the default 1.28): its cost/SLA trade-off, beside Dynamo's points, in the same run.
+Writes benchmarks/results/planner_sim.{json,md}, planner_sim_<load>.png and planner_sim_pareto.png.
 """
 
 from __future__ import annotations
@@ -126,17 +131,19 @@ class Bench:
         return self.summarize("oracle", r, kvyard_reqs(r), r.gpu_seconds(), [[t, n] for t, _, n in r.fleet_log], t0,
                               {"need": need, "schedule": plan})
 
-    def kvyard(self, wl, start: int, cap: int) -> dict:
+    def kvyard(self, wl, start: int, cap: int, setting: dict | None = None) -> dict:
         a, t0 = self.args, time.perf_counter()
         doc = {"planner": {"interval_s": a.interval, "lookahead_s": a.startup, "scale_down_cooldown_s": a.cooldown,
-                           "scale_down_window_s": a.down_window, "max_step": a.max_step, "stale_after_s": 30},
+                           "scale_down_window_s": a.down_window, "max_step": a.max_step, "stale_after_s": 30, **(setting or {})},
                "targets": {"pools": [{"model": MODEL, "role": "both", "ttft_p90_ms": a.ttft, "itl_p90_ms": a.itl,
                                       "min_replicas": 1, "max_replicas": cap}]}}
         r = Replay(self.cfg(start, doc), wl)
         driver = PlannerDriver(r, doc)
         r.run()
-        return self.summarize("kvyard planner", r, kvyard_reqs(r), r.gpu_seconds(), [[t, n] for t, _, n in r.fleet_log], t0,
-                              {"planner_config": driver.cfg.model_dump(exclude={"load", "profiles"}), "decisions": driver.decisions[:300]})
+        name = "kvyard planner" + ("" if not setting else " (" + ", ".join(f"{k}={v:g}" for k, v in setting.items()) + ")")
+        return self.summarize(name, r, kvyard_reqs(r), r.gpu_seconds(), [[t, n] for t, _, n in r.fleet_log], t0,
+                              {"planner_config": driver.cfg.model_dump(exclude={"load", "profiles"}), "setting": setting or {},
+                               "decisions": driver.decisions[:300]})
 
     def dynamo(self, path: Path, start: int, cap: int, target: str = "throughput") -> dict:
         a, t0 = self.args, time.perf_counter()
@@ -157,7 +164,21 @@ class Bench:
                 "planner_config": pc, "dynamo_ticks": d["planner"]["total_ticks"], "completed": s["completed_requests"]}
 
 
+LOAD_SLA = {"walk2": ("walk2_ttft", "walk2_itl")}  # loads judged (and planned) on their own SLA
+
+
 def run_load(b: Bench, name: str, path: Path) -> dict:
+    base = b.args
+    if name in LOAD_SLA:
+        t, i = LOAD_SLA[name]
+        b.args = argparse.Namespace(**{**vars(base), "ttft": getattr(base, t), "itl": getattr(base, i)})
+    try:
+        return _run_load(b, name, path)
+    finally:
+        b.args = base
+
+
+def _run_load(b: Bench, name: str, path: Path) -> dict:
     a = b.args
     wl = load_mooncake(path)
     b.end_s = wl.duration
@@ -183,13 +204,24 @@ def run_load(b: Bench, name: str, path: Path) -> dict:
     results["oracle"] = b.oracle(wl, need)
     cap = 2 * peak
     results["kvyard planner"] = b.kvyard(wl, need[0], cap)
+    for setting in sweep_settings(a.sweep):  # the same planner at other settings: its cost/SLA trade-off
+        res = b.kvyard(wl, need[0], cap, setting)
+        results[res["policy"]] = res
     results["dynamo planner"] = b.dynamo(path, need[0], cap)
     for target in filter(None, a.dynamo_variants.split(",")):
         results[f"dynamo planner ({target})"] = b.dynamo(path, need[0], cap, target)
     for k, res in results.items():
         print(f"[{name}] {k:15s} {res['minutes_met']}/{res['minutes']} minutes, {res['gpu_seconds']:,.0f} GPU-s", flush=True)
     return {"requests": len(wl), "duration_min": round(wl.duration / 60, 1), "static_sweep": {str(k): v for k, v in sweep.items()},
-            "policies": results}
+            "sla": {"ttft_ms": a.ttft, "itl_ms": a.itl}, "policies": results}
+
+
+def sweep_settings(spec: str) -> list[dict]:
+    """'demand_z=0,0.64,2.5' -> [{'demand_z': 0.0}, ...]"""
+    if not spec:
+        return []
+    key, vals = spec.split("=", 1)
+    return [{key: float(v)} for v in vals.split(",") if v]
 
 
 def loads(args, tmp: Path) -> dict[str, Path]:
@@ -203,6 +235,9 @@ def loads(args, tmp: Path) -> dict[str, Path]:
         elif name == "walk":
             wl = synthetic(f"walk:minutes={args.walk_minutes},start={args.walk_start},lo={args.walk_lo},hi={args.walk_hi},"
                            f"step_s=120,sigma=0.25,spikes=2,spike_factor=2,bodies={TRACE}", seed=args.seed)
+        elif name == "walk2":
+            wl = synthetic(f"walk:minutes={args.walk2_minutes},start=5,lo=2,hi=9,step_s=60,sigma=0.35,spikes=3,spike_factor=1.5,"
+                           f"bodies={TRACE}", seed=args.walk2_seed)
         else:
             raise SystemExit(f"unknown load {name!r}")
         out[name] = wl.write_mooncake(tmp / f"{name}.jsonl")
@@ -211,7 +246,7 @@ def loads(args, tmp: Path) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks planner", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--loads", default="mooncake,daily,walk")
+    ap.add_argument("--loads", default="mooncake,daily,walk,walk2")
     ap.add_argument("--mooncake-scale", type=float, default=4.0)
     ap.add_argument("--daily-minutes", type=float, default=40.0)
     ap.add_argument("--daily-peak", type=float, default=12.0)
@@ -220,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--walk-start", type=float, default=6.0)
     ap.add_argument("--walk-lo", type=float, default=2.0)
     ap.add_argument("--walk-hi", type=float, default=12.0)
+    ap.add_argument("--walk2-minutes", type=float, default=30.0)
+    ap.add_argument("--walk2-seed", type=int, default=2027)
+    ap.add_argument("--walk2-ttft", type=float, default=1000.0, help="walk2's TTFT p90 target per minute, ms")
+    ap.add_argument("--walk2-itl", type=float, default=30.0, help="walk2's ITL p90 target per minute, ms")
+    ap.add_argument("--sweep", default="demand_z=0,0.64,2.5",
+                    help="kvyard's planner also at these settings (KEY=v1,v2,...): its cost/SLA trade-off beside Dynamo's points")
+    ap.add_argument("--merge", default="", help="only merge results/<a>.json,<b>.json,... (runs of disjoint --loads) into --out")
     ap.add_argument("--ttft", type=float, default=1500.0, help="TTFT p90 target per minute, ms")
     ap.add_argument("--itl", type=float, default=25.0, help="ITL p90 target per minute, ms")
     ap.add_argument("--startup", type=float, default=60.0, help="worker start-up, s")
@@ -234,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only run --dynamo-variants on the loads of an existing results/<out>.json (same seeds and starts) and merge")
     ap.add_argument("--out", default="planner_sim")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args)
     tmp = Path(tempfile.mkdtemp(prefix="kvyard-planner-bench-"))
     b = Bench(args, tmp)
     if args.add_dynamo_variants:
@@ -262,6 +306,25 @@ def add_variants(b: Bench, args, tmp: Path) -> int:
             print(f"[{name}] {r['policy']}: {r['minutes_met']}/{r['minutes']} minutes, {r['gpu_seconds']:,.0f} GPU-s", flush=True)
     report["command_variants"] = "python -m benchmarks planner --add-dynamo-variants --dynamo-variants " + args.dynamo_variants
     write(report, argparse.Namespace(**report["config"]))
+    return 0
+
+
+def merge(args) -> int:
+    """Runs of disjoint loads (e.g. two processes on two cores) as one report."""
+    parts = [json.loads((RESULTS / f"{n}.json").read_text()) for n in args.merge.split(",")]
+    report = {**parts[0], "loads": {}, "command": " && ".join(p["command"] for p in parts) + f" && python -m benchmarks planner --merge {args.merge} --out {args.out}"}
+    report["machines"] = [p["machine"] for p in parts]
+    for p in parts:
+        report["loads"].update(p["loads"])
+    cfg = {**parts[0]["config"], "out": args.out, "loads": ",".join(report["loads"])}
+    report["config"] = cfg
+    write(report, argparse.Namespace(**cfg))
+    for n in args.merge.split(","):
+        if n != args.out:
+            for f in RESULTS.glob(f"{n}.*"):
+                f.unlink()
+            for f in RESULTS.glob(f"{n}_*.png"):
+                f.unlink()
     return 0
 
 

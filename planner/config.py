@@ -5,7 +5,8 @@ Defaults follow Dynamo's planner where it has one: TTFT 500 ms and ITL
 telemetry window, at most 4 replicas added or removed per pool per tick, no scale-down within 300 s
 of the pool's last change and never below the highest count wanted in the last 300 s (Kubernetes
 HPA's scale-down stabilization window), telemetry older than 30 s (or absent) holds the pool still; the request
-rate is forecast by peak_trend (max of a Kalman trend forecast and the last 2 ticks' peak) and sized at
+rate is forecast by peak_trend (max of a Kalman trend forecast and the last 2 ticks' peak, where that peak
+stood out of its sampling noise) and sized at
 forecast × (1 + 1.28·RMS relative one-tick forecast error of the pool's work), at most ×1.5.
 """
 

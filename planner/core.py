@@ -6,10 +6,12 @@ Per managed pool (every pool listed in the targets), each tick:
                the newest bucket older than stale_after_s): keep the current count (only min/max
                are still enforced).
   2. predict   feed the window's demand (arrival rate, else finish rate; mean ISL, OSL, KV hit rate)
-               to one predictor per quantity; forecast 1 + lookahead_s/interval_s ticks ahead
-               (the prompt-length spread CV² is taken as last observed; with the peak_trend
-               predictor only the rate takes the recent peak, the means use its Kalman part). The
-               rate is then sized with headroom: × min(1 + demand_z·√(MS − noise), max_headroom),
+               to one predictor per quantity. The rate is forecast 1 + lookahead_s/interval_s ticks ahead
+               (with peak_trend, a recent window floors it only where it stood out of the trend by more than
+               its own Poisson sampling error, 1.28/√N for N arrivals); ISL, OSL and hit rate are means of the
+               request mix and are taken at their filtered level, not run ahead (a trend fitted to their
+               sampling noise, extrapolated, sizes for that noise). The prompt-length spread CV² is taken as
+               last observed. The rate is then sized with headroom: × min(1 + demand_z·√(MS − noise), max_headroom),
                MS the mean square of the relative one-tick forecast errors of the pool's work
                (prompt tokens/s for prefill, rate·osl·context for decode; EWMA, weight 0.2) and
                noise the window's own sampling error of that work, (1 + CV²)/N for N requests
@@ -17,10 +19,12 @@ Per managed pool (every pool listed in the targets), each tick:
   3. size      sla:    replicas from the perf model for the predicted demand (sla.py);
                load:   current ± 1 from queue/KV/latency thresholds (load.py);
                hybrid: sla replicas + a load correction k >= 0 (k += 1 on a load 'up' the SLA
-                       count did not already cover, k −= 1 on a 'down' at most once per
-                       scale_down_cooldown_s) — the SLA count is a floor. A prefill pool's queue
-                       is not an 'up' signal here (the SLA count plans for queueing up to the
-                       TTFT target; its observed TTFT p90 is), unless hybrid_prefill_queue.
+                       count did not already cover, but not within lookahead_s of the pool's last
+                       scale-up: the replicas asked for are still starting and the signal is the fleet
+                       without them; k −= 1 on a 'down' at most once per scale_down_cooldown_s) — the
+                       SLA count is a floor. A pool that prefills (prefill or aggregated) does not take
+                       its queue as an 'up' signal here (the SLA count plans for queueing up to the TTFT
+                       target; its observed TTFT p90 is), unless hybrid_prefill_queue.
   4. guard     clamp to [min_replicas, max_replicas]; move at most max_step per tick; scale down
                only to the highest count wanted within scale_down_window_s (HPA-style
                stabilization) and not within scale_down_cooldown_s of the pool's last change.
@@ -59,6 +63,7 @@ class PlannerCore:
         self.tick = 0
         self._predictors: dict[tuple[PoolKey, str], Predictor] = {}
         self._last_change: dict[PoolKey, float] = {}
+        self._last_up: dict[PoolKey, float] = {}
         self._correction: dict[PoolKey, int] = {}
         self._wanted: dict[PoolKey, deque[tuple[float, int]]] = {}
         self._correction_at: dict[PoolKey, float] = {}
@@ -85,6 +90,8 @@ class PlannerCore:
             for d in out:
                 if d.changed:
                     self._last_change[d.pool] = now
+                if d.desired > d.current:
+                    self._last_up[d.pool] = now
         changed = [d for d in out if d.changed]
         summary = "; ".join(f"{d.pool} {d.current}->{d.desired}" for d in changed) or "no change"
         return Decision(self.tick, now, out, self.cfg.advisory, obs.targets.version, summary)
@@ -113,14 +120,19 @@ class PlannerCore:
             rel = (work - prev) / max(prev, work)
             old = self._rate_err2.get(po.pool)
             self._rate_err2[po.pool] = rel * rel if old is None else 0.8 * old + 0.2 * rel * rel
+        n_obs = s.arrival_rate * s.window_s if s.arrival_rate > 0 else float(s.requests)
+        rate_noise = 1.0 / math.sqrt(n_obs) if n_obs >= 1 else None  # Poisson: N arrivals are known to ±√N
         out = {}
         for q in _QUANTITIES:
             p = self._predictors.get((po.pool, q))
             if p is None:
                 p = self._predictors[(po.pool, q)] = self._make_predictor(q)
             if now_vals[q] is not None:
-                p.observe(now_vals[q])
-            out[q] = p.predict(steps)
+                p.observe(now_vals[q], rate_noise if q == "request_rate" else None)
+            # the rate is a load and is forecast over the horizon; ISL, OSL and hit rate are means of the request mix,
+            # taken at their filtered level: a trend fitted to a window's sampling noise, run `steps` ticks ahead,
+            # would size for that noise
+            out[q] = p.predict(steps if q == "request_rate" else 0.0)
         nxt = self._work(po.pool, *(self._predictors[(po.pool, q)].predict(1.0) for q in ("request_rate", "isl", "osl")))
         if nxt is not None:
             self._last_rate_pred[po.pool] = nxt
@@ -200,14 +212,18 @@ class PlannerCore:
         if cfg.mode == "sla":
             raw, reason = sla_n, f"SLA: {why}"
         else:
-            queue_signal = cfg.mode == "load" or cfg.hybrid_prefill_queue or po.pool.role != "prefill"
+            # a pool that prefills (prefill or aggregated) is sized for queueing up to the TTFT target, so in hybrid mode its
+            # queue is no sign of under-sizing (its observed TTFT p90 is)
+            queue_signal = cfg.mode == "load" or cfg.hybrid_prefill_queue or po.pool.role == "decode"
             delta, lwhy = load_step(po, ttft, itl, cfg.load, queue_signal)
             if cfg.mode == "load":
                 raw, reason = po.replicas + delta, f"load: {lwhy}"
             else:
                 k = self._correction.get(po.pool, 0)
                 since = now - self._correction_at.get(po.pool, -math.inf)
-                if delta > 0 and sla_n + k <= po.replicas:
+                settling = now - self._last_up.get(po.pool, -math.inf) < cfg.lookahead_s
+                if delta > 0 and sla_n + k <= po.replicas and not settling:
+                    # (while replicas asked for are still starting, the signal is the fleet without them: no correction)
                     k += 1
                     self._correction_at[po.pool] = now
                 elif delta < 0 and k > 0 and since >= cfg.scale_down_cooldown_s:

@@ -13,9 +13,11 @@
     peak_trend      an ensemble for the request rate: max(Kalman trend forecast, highest of the last
                       `window` observations). The Kalman filter smooths a step in load over several
                       ticks (its gain is ~0.3), so alone it sizes a burst's first ticks for a fraction
-                      of it; the recent peak follows a step at once, the trend leads a ramp. Costs a
-                      little in steady state (the max of noisy points), which the planner's headroom,
-                      measured on this forecast's own errors, then needs less of.
+                      of it; the recent peak follows a step at once, the trend leads a ramp. An
+                      observation counts as a peak only where it exceeded the trend's one-tick forecast
+                      by more than z = 1.28 times its own relative sampling error (`noise` given to
+                      observe: 1/√N for a count of N arrivals); otherwise the max of noisy windows would
+                      size a steady load for the top of its noise.
 All forecasts are floored at 0; `predict` returns None before the first observation. Pure, sync.
 """
 
@@ -34,8 +36,9 @@ PREDICTORS = ("constant", "moving_average", "holt", "kalman", "peak_trend")
 
 @runtime_checkable
 class Predictor(Protocol):
-    def observe(self, value: float) -> None:
-        """Called once per tick with the value measured over the last window."""
+    def observe(self, value: float, noise: float | None = None) -> None:
+        """Called once per tick with the value measured over the last window; `noise`, where known, is that
+        measurement's relative sampling error (standard deviation / value)."""
         ...
 
     def predict(self, steps: float = 1.0) -> float | None:
@@ -47,7 +50,7 @@ class ConstantPredictor:
     def __init__(self) -> None:
         self.last: float | None = None
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, noise: float | None = None) -> None:
         self.last = float(value)
 
     def predict(self, steps: float = 1.0) -> float | None:
@@ -58,7 +61,7 @@ class MovingAveragePredictor:
     def __init__(self, window: int = 6) -> None:
         self.values: deque[float] = deque(maxlen=window)
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, noise: float | None = None) -> None:
         self.values.append(float(value))
 
     def predict(self, steps: float = 1.0) -> float | None:
@@ -71,7 +74,7 @@ class HoltPredictor:
         self.level: float | None = None
         self.trend = 0.0
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, noise: float | None = None) -> None:
         y = float(value)
         if self.level is None:
             self.level = y
@@ -105,7 +108,7 @@ class KalmanTrendPredictor:
         self.scale = 1.0
         self.last: float | None = None
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, noise: float | None = None) -> None:
         y = float(value)
         if self.n == 0:
             self.scale = max(abs(y), 1.0) / 10.0  # observations of ~10 units suit Q and R above
@@ -127,13 +130,19 @@ class KalmanTrendPredictor:
 
 
 class PeakTrendPredictor:
-    def __init__(self, window: int = 2, trend: Predictor | None = None) -> None:
+    def __init__(self, window: int = 2, trend: Predictor | None = None, z: float = 1.28) -> None:
         self.trend = trend if trend is not None else KalmanTrendPredictor()
-        self.recent: deque[float] = deque(maxlen=max(window, 1))
+        self.z = z
+        self.recent: deque[float] = deque(maxlen=max(window, 1))  # observations that stood out of the trend
 
-    def observe(self, value: float) -> None:
-        self.trend.observe(value)
-        self.recent.append(float(value))
+    def observe(self, value: float, noise: float | None = None) -> None:
+        y = float(value)
+        before = self.trend.predict(1.0)
+        self.trend.observe(y)
+        # a step is an observation above what the trend expected by more than its own sampling error: a window's
+        # count of N arrivals is off by ~1/√N on its own, and the max of such noise would size for the noise's top
+        real = before is None or noise is None or y > before * (1.0 + self.z * noise)
+        self.recent.append(y if real else 0.0)
 
     def predict(self, steps: float = 1.0) -> float | None:
         t = self.trend.predict(steps)

@@ -15,7 +15,10 @@ Decode (ctx = isl + osl/2, B* = best_batch(ctx, ITL target), Dynamo's binary sea
     like a Poisson count, so x is capped where its p90 fits: x + 1.28·√x <= B*, i.e.
     x_max = ((−1.28 + √(1.28² + 4B*))/2)²;  n = ceil(L / x_max).
     A tokens/s target adds n >= tokens_per_s / (B*/ITL(B*)).
-Aggregated (role both): n = ceil(a/max_util + L/x_max) — prefill busy time and decode slots summed.
+Aggregated (role both): one replica's time is shared between the phases. With n replicas each prefills a share
+    ρ = a/n of its time, so its running sequences get a mean inter-token gap of ITL_dec(B)/(1 − ρ); decode's batch
+    B* is searched within the target's decode share, ITL target·(1 − ρ). n = the smallest n >= a/max_util where
+    L/n (L from Little's law at that gap) fits the p90 batch cap and the TTFT tail fits as for prefill.
 """
 
 from __future__ import annotations
@@ -109,15 +112,44 @@ def decode_replicas(perf: PerfModel, d: Demand, itl_ms: float, tokens_per_s: flo
 
 def aggregated_replicas(perf: PerfModel, d: Demand, ttft_ms: float, itl_ms: float, max_util: float = 0.9,
                         tokens_per_s: float | None = None) -> tuple[int, str]:
+    """One replica serves both phases and its time is shared: with n replicas each spends a share ρ = a/n of its time
+    prefilling (a = rate·s busy replicas), so a running sequence's mean inter-token gap is ITL_dec(B)/(1 − ρ). The
+    smallest n that keeps that within the ITL target at the p90 batch, and the TTFT tail within its target."""
     if d.request_rate <= 0 and not tokens_per_s:
         return 0, "no demand"
     s = perf.prefill_ms(_eff_isl(d)) / 1000.0
-    busy = d.request_rate * s / max_util
-    seqs, x_max, b, itl, note = _decode_slots(perf, d, itl_ms)
-    n = math.ceil(busy + seqs / x_max - 1e-9)
-    why = f"prefill busy {busy:.2f} + decode {seqs / x_max:.2f} replicas (B*={b}, ITL {itl:.1f} ms){note}"
+    a = d.request_rate * s
+    ctx = d.isl + d.osl / 2
+    t = ttft_ms / 1000.0
+    ttft_ok = a < 10_000 and ttft_tail(10_000, d.request_rate, s, t, d.isl_cv2) <= _TAIL
+    n = max(1, math.ceil(a / max_util - 1e-9))
+    while n < 100_000:
+        rho = a / n
+        budget = itl_ms * (1.0 - rho)  # decode's share of the target
+        b = perf.best_batch(ctx, budget)
+        if b > 0:
+            itl = perf.batch_itl_ms(b, ctx) / (1.0 - rho)
+            seqs = d.request_rate * d.osl * itl / 1000.0
+            x_max = max(((-_Z90 + math.sqrt(_Z90**2 + 4 * b)) / 2) ** 2, 0.25)
+            decode_ok = seqs / n <= x_max
+            prefill_ok = ttft_tail(n, d.request_rate, s, t, d.isl_cv2) <= _TAIL if ttft_ok else erlang_c(n, a) <= _TAIL
+            if decode_ok and prefill_ok:
+                why = (f"prefill {a:.2f} replicas busy ({rho:.0%} of each), {seqs:.1f} sequences in flight at ITL {itl:.1f} ms "
+                       f"(B*={b} in the decode share, <= {x_max:.1f}/replica for p90)")
+                if not ttft_ok:
+                    why += f"; TTFT p90 {ttft_ms:.0f} ms is out of reach (prefill alone {s * 1000:.0f} ms)"
+                break
+        elif rho == 0.0 or perf.best_batch(ctx, itl_ms) == 0:  # even an idle replica misses the ITL target
+            seqs, x_max, b, itl, note = _decode_slots(perf, d, itl_ms)
+            n = max(n, math.ceil(a / max_util + seqs / x_max - 1e-9))
+            why = f"prefill busy {a:.2f} + decode {seqs / x_max:.2f} replicas (B*={b}, ITL {itl:.1f} ms){note}"
+            break
+        n += 1
+    else:
+        why = "capped"
     if tokens_per_s:
-        need = math.ceil(tokens_per_s / (b / itl * 1000.0) - 1e-9)
+        b0 = max(perf.best_batch(ctx, itl_ms), 1)
+        need = math.ceil(tokens_per_s / (b0 / perf.batch_itl_ms(b0, ctx) * 1000.0) - 1e-9)
         if need > n:
             n, why = need, f"tokens/s target {tokens_per_s:.0f}; " + why
     return n, why

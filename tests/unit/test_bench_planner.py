@@ -21,3 +21,15 @@ def test_minutes_judge_ttft_p90_and_token_weighted_itl_p90():
 def test_a_minute_misses_on_ttft():
     rows = sla_minutes([(1.0, 3000.0, 5.0, 10)] * 3, 59.0, ttft_ms=1000.0, itl_ms=25.0)
     assert len(rows) == 1 and not rows[0]["ok"] and rows[0]["ttft_p90_ms"] == 3000.0
+
+
+def test_sweep_settings_and_the_target_verdict():
+    from benchmarks.planner_report import _meets
+    from benchmarks.planner_sim import sweep_settings
+
+    assert sweep_settings("demand_z=0,0.64,2.5") == [{"demand_z": 0.0}, {"demand_z": 0.64}, {"demand_z": 2.5}]
+    assert sweep_settings("") == []
+    dyn = {"minutes_met": 3, "gpu_seconds": 1000.0}
+    assert _meets({"minutes_met": 3, "gpu_seconds": 900.0}, dyn)  # as many minutes at 0.9x
+    assert not _meets({"minutes_met": 3, "gpu_seconds": 901.0}, dyn)
+    assert not _meets({"minutes_met": 2, "gpu_seconds": 500.0}, dyn)

@@ -216,3 +216,75 @@ def test_hybrid_prefill_queue_is_not_a_scale_up_signal(pool, flag, ttft_p90, ext
                          worker_queue=[3.0, 0.0], worker_kv=[0.3, 0.3])
     d = c.on_tick(0.0, observe(targets(pt), po)).pools[0]
     assert d.desired - d.sla_replicas == extra
+
+
+def test_peak_trend_takes_a_step_but_not_a_windows_sampling_noise():
+    """The recent peak floors the forecast only where it stands out of the trend by more than its own sampling error."""
+    from planner.predictors import PeakTrendPredictor
+
+    p = PeakTrendPredictor(window=2)
+    for _ in range(10):
+        p.observe(100.0, noise=0.1)
+    p.observe(110.0, noise=0.1)  # +10%: within 1.28 × 10% of the trend's expectation — noise
+    assert p.predict(1.0) < 108.0  # the Kalman part only, not the 110
+    p.observe(160.0, noise=0.1)  # +60%: a step
+    assert p.predict(1.0) == pytest.approx(160.0)
+
+
+def test_means_are_forecast_at_their_level_and_only_the_rate_over_the_horizon():
+    """ISL, OSL and hit rate are means of the request mix: a trend in them is not run lookahead ticks ahead."""
+    c = core(predictor="kalman", lookahead_s=300, interval_s=15)
+    for i in range(12):
+        d = c.on_tick(15.0 * i, observe(targets(PT), pobs(replicas=6, rate=10 + i, isl=9000 + 300 * i)))
+    dem = d.pools[0].demand
+    assert dem.isl <= 9000 + 300 * 11 + 1  # not past the last observation
+    assert dem.request_rate > 21 + 5  # the rate is run ahead (20 ticks of a +1/tick trend)
+
+
+AGG = PoolKey("m", "both")
+AT = {"model": "m", "role": "both", "ttft_p90_ms": 500, "itl_p90_ms": 25, "min_replicas": 1, "max_replicas": 40}
+
+
+def agg_obs(replicas: int, rate: float = 20.0, queue: float = 0.0, itl_p90: float = 10.0) -> PoolObservation:
+    return PoolObservation(AGG, replicas, stats(AGG, rate=rate, isl=9000, osl=100, ttft_p90=300.0, itl_p90=itl_p90), data_age_s=1.0,
+                           worker_queue=[queue] + [0.0] * (replicas - 1), worker_kv=[0.3] * replicas)
+
+
+def test_hybrid_aggregated_queue_is_planned_for_and_no_correction_while_replicas_start():
+    c = core(mode="hybrid", lookahead_s=60, interval_s=15)
+    sla = c.on_tick(0.0, observe(targets(AT), agg_obs(1))).pools[0].desired
+    assert sla > 1
+    # a waiting request on an aggregated pool is the queueing its SLA count plans for: no correction
+    d = c.on_tick(15.0, observe(targets(AT), agg_obs(sla, queue=3.0))).pools[0]
+    assert d.desired == sla
+    # the observed ITL p90 over target is a correction, but not while the replicas just asked for are starting
+    d = c.on_tick(30.0, observe(targets(AT), agg_obs(sla, itl_p90=40.0))).pools[0]
+    assert d.desired == sla and "correction" not in d.reason
+    d = c.on_tick(75.0, observe(targets(AT), agg_obs(sla, itl_p90=40.0))).pools[0]
+    assert d.desired == sla + 1 and "+1 load correction" in d.reason
+    # and once more only after that one has had its start-up
+    assert c.on_tick(90.0, observe(targets(AT), agg_obs(sla + 1, itl_p90=40.0))).pools[0].desired == sla + 1
+
+
+def test_steady_noisy_load_is_not_sized_for_its_peaks_and_a_sustained_drop_scales_down():
+    """A steady load measured in short windows (±1/√N around its mean): the fleet stays at what the mean needs; after
+    the load halves for longer than the stabilisation window, the pool comes down to what the lower load needs."""
+    cfg = dict(mode="hybrid", predictor="peak_trend", lookahead_s=60, interval_s=15, scale_down_window_s=120,
+               scale_down_cooldown_s=60, demand_z=0.0)
+    ref = core(**{**cfg, "predictor": "constant"})
+    need_hi = ref.on_tick(0.0, observe(targets(AT), agg_obs(1, rate=20.0))).pools[0].desired
+    need_lo = core(**{**cfg, "predictor": "constant"}).on_tick(0.0, observe(targets(AT), agg_obs(1, rate=10.0))).pools[0].desired
+    assert need_lo < need_hi
+    c = core(**cfg)
+    import random
+
+    rng = random.Random(3)
+    n, seen = need_hi, []
+    for i in range(40):  # 10 minutes at 20 req/s, 300 arrivals per window: ±6%
+        rate = 20.0 * (1 + rng.gauss(0, 1) / math.sqrt(300))
+        n = c.on_tick(15.0 * i, observe(targets(AT), agg_obs(n, rate=rate))).pools[0].desired
+        seen.append(n)
+    assert max(seen[8:]) <= need_hi + 1  # at most the one replica that ±6% can tip the count by
+    for i in range(40, 80):  # then 10 minutes at 10 req/s
+        n = c.on_tick(15.0 * i, observe(targets(AT), agg_obs(n, rate=10.0 * (1 + rng.gauss(0, 1) / math.sqrt(150))))).pools[0].desired
+    assert n <= need_lo + 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from planner.sla import aggregated_replicas, decode_replicas, erlang_c, prefill_replicas, ttft_tail
@@ -60,8 +62,24 @@ def test_decode_unreachable_itl(perf):
     assert "out of reach" in why and n >= 1
 
 
-def test_aggregated_sums_prefill_and_decode(perf):
+def test_aggregated_shares_each_replicas_time_between_the_phases(perf):
+    """A replica that prefills a share ρ of its time decodes in the rest: its sequences' gap is ITL_dec(B)/(1 − ρ). The
+    count is the smallest n where that fits the ITL target at the p90 batch; one fewer does not."""
     d = Demand(50.0, 9000, 100, 0.0)
     pn, _ = prefill_replicas(perf, d, 1e9, max_util=0.9)
     n, why = aggregated_replicas(perf, d, 500, 25, max_util=0.9)
-    assert n > pn and "prefill busy" in why
+    assert n > pn and "replicas busy" in why and "decode share" in why
+    a = 50.0 * perf.prefill_ms(9000) / 1000.0
+
+    def fits(k: int) -> bool:
+        rho = a / k
+        b = perf.best_batch(9050, 25 * (1 - rho))
+        if b == 0:
+            return False
+        seqs = 50.0 * 100 * perf.batch_itl_ms(b, 9050) / (1 - rho) / 1000.0
+        return seqs / k <= ((-1.2816 + math.sqrt(1.2816**2 + 4 * b)) / 2) ** 2
+
+    assert fits(n) and not fits(n - 1)
+    # more prefill work on the same decode demand costs decode capacity too, not only prefill busy time
+    n2, _ = aggregated_replicas(perf, Demand(50.0, 18000, 100, 0.0), 500, 25, max_util=0.9)
+    assert n2 > n
