@@ -76,12 +76,15 @@ async def test_aggregated_serving_and_kv_routing_across_frontends(cluster: Kvyar
     assert {w["backend"] for w in view["workers"]} == {backend}
     async with httpx.AsyncClient(timeout=60) as http:
         a, b = cluster.url("fa"), cluster.url("fb")
-        placed = {}
-        for i in range(4):
+
+        async def first(i: int) -> str:
             r = await http.post(a + "/v1/completions", json={"model": MODEL, "prompt": prompt(i, 0), "max_tokens": 3})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"]
-            placed[i] = r.headers["x-kvyard-worker"]
+            return r.headers["x-kvyard-worker"]
+
+        # first sight of each prefix, concurrently so A's load term usually spreads them over both workers
+        placed = dict(enumerate(await asyncio.gather(*(first(i) for i in range(4)))))
         # streamed chat through the same path
         async with http.stream("POST", a + "/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": prompt(0, 9)}], "max_tokens": 4, "stream": True}) as r:
@@ -113,7 +116,9 @@ async def test_aggregated_serving_and_kv_routing_across_frontends(cluster: Kvyar
         view = (await http.get(b + "/api/cluster")).json()
         events = view["kv"]["events"]
         assert {e["format"] for e in events.values()} == {EVENT_FORMAT[backend]}
-        assert all(e["batches"] > 0 and e["last_error"] is None for e in events.values()), events
+        # a worker that served nothing has published nothing (all four can land on one worker)
+        assert all(events[w]["batches"] > 0 for w in placed.values()), events
+        assert all(e["last_error"] is None for e in events.values()), events
         assert all(w["kv_usage"] is not None and w["running"] is not None for w in view["workers"])  # metrics scraped
         assert view["failed_workers"] == []
 
