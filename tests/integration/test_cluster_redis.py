@@ -131,12 +131,11 @@ async def test_client_disconnect_aborts_engine_request(cluster):
         async with c.stream("POST", cluster.base + "/v1/completions",
                             json={"model": MODEL, "prompt": "go on forever", "max_tokens": 2000, "stream": True}) as resp:
             assert resp.status_code == 200
-            seen: list[bytes] = []
-            async for chunk in resp.aiter_raw():
-                seen.append(chunk)
-                if len(seen) >= 3:
-                    break
-            assert len(seen) >= 3, f"the stream ended early: {b''.join(seen)[:500]!r}"
+            # Read through an iterator held open: breaking out of `async for ... in resp.aiter_raw()` lets the
+            # generator be finalized at the next await, which closes the connection (httpcore's stream aclose),
+            # so the client "left" before the check below, and on a loaded box the abort won the race.
+            chunks = resp.aiter_raw()
+            seen = [await anext(chunks) for _ in range(3)]
             # the gauge is sampled by the engine's loop: allow it a moment (longer on a loaded box: once, during the
             # full suite, 5 s were not enough)
             deadline = time.monotonic() + 15
@@ -149,6 +148,7 @@ async def test_client_disconnect_aborts_engine_request(cluster):
                 pytest.fail(f"the engine shows {running} requests running while the stream is open; stream so far "
                             f"{b''.join(seen)[:300]!r}; engine gauges {gauges}; frontend /api/cluster "
                             f"{(await c.get(cluster.base + '/api/cluster')).text[:1500]}")
+            await chunks.aclose()  # leave: the connection closes with the stream's context
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             if parse_vllm_metrics((await c.get(engine + "/metrics")).text).num_requests_running == 0:
