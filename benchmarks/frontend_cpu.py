@@ -154,7 +154,7 @@ class PySpy:
     def __enter__(self):
         if self.exe:
             self.proc = subprocess.Popen([self.exe, "record", "--pid", str(self.pid), "--format", "raw", "--rate", "200",
-                                          "--threads", "--native", "-o", str(self.out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                          "--threads", "-o", str(self.out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
         return self
 
@@ -192,7 +192,7 @@ async def main() -> None:
         e = EngineProcess(get_backend("sim"), EngineLaunchConfig(
             model="h200-llama3.1-8b", served_model_name="sim", port=free_port(), block_size=16, max_model_len=CTX,
             max_num_batched_tokens=CTX, kv_events_endpoint=f"ipc://{tmp}/kv{i}.sock", kv_replay_endpoint=f"ipc://{tmp}/replay{i}.sock",
-            extra_args=["--speedup", str(args.speedup), "--num-gpu-blocks", "40000"]), tmp / f"engine{i}.log")
+            extra_args=["--speedup", str(args.speedup), "--num-gpu-blocks", "40000", "--enable-prompt-tokens-details"]), tmp / f"engine{i}.log")
         e.start()
         engines.append(e)
     for e in engines:
@@ -225,15 +225,16 @@ async def main() -> None:
                         direct, _ = await closed_loop(engines[0].url, 1, short_bodies(args.ttft_requests, 16, 5 + rnd))
                         row["direct_ttft_p50_ms"] = p50([r["ttft_s"] * 1000 for r in direct if r["ok"]])
                     for k in order:
+                        seed = 100 * rnd + 10 * names.index(k)  # each frontend its own prompts: no run warms the engines' cache for the next
                         base = f"http://127.0.0.1:{ports[k]}"
                         cpu0 = cpu_seconds(procs[k].pid)
                         with PySpy(spy, procs[k].pid, args.pyspy / f"{wl}-c{conc}-{k}-r{rnd}.txt" if args.pyspy else None):
                             if wl == "long":
-                                res, wall = await long_run(base, conc, args.turns, 11 + rnd)
+                                res, wall = await long_run(base, conc, args.turns, 11 + seed)
                             elif wl == "stream":
-                                res, wall = await closed_loop(base, conc, short_bodies(max(conc, args.stream_requests), 512, 3 + rnd))
+                                res, wall = await closed_loop(base, conc, short_bodies(max(conc, args.stream_requests), 512, 3 + seed))
                             else:
-                                res, wall = await closed_loop(base, 1, short_bodies(args.ttft_requests, 16, 5 + rnd))
+                                res, wall = await closed_loop(base, 1, short_bodies(args.ttft_requests, 16, 5 + seed))
                         cpu = cpu_seconds(procs[k].pid) - cpu0
                         ok = [r for r in res if r["ok"]]
                         toks = sum(r["completion_tokens"] for r in ok)
@@ -242,6 +243,7 @@ async def main() -> None:
                              "cpu_s_per_1k_tokens": round(cpu * 1000 / toks, 4) if toks else None,
                              "tokens_per_cpu_s": round(toks / cpu, 1) if cpu > 0 else None,
                              "events_per_token": round(sum(r["events"] for r in ok) / toks, 3) if toks else None,
+                             "cpu_us_per_event": round(cpu * 1e6 / max(1, sum(r["events"] for r in ok)), 2),
                              "ttft_p50_ms": p50([r["ttft_s"] * 1000 for r in ok]),
                              "ttft_p90_ms": round(sorted(r["ttft_s"] * 1000 for r in ok)[int(0.9 * (len(ok) - 1))], 3) if ok else None,
                              "prompt_tokens_mean": round(statistics.mean(r["prompt_tokens"] for r in ok)) if ok else None,
@@ -272,7 +274,7 @@ def write_results(rows: list[dict], args) -> None:
     for r in rows:
         key = f"{r['workload']}@c{r['concurrency']}"
         s = summary.setdefault(key, {k: {"cpu_ms_per_request": [], "cpu_s_per_1k_tokens": [], "ttft_p50_ms": [], "ttft_added_p50_ms": [],
-                                         "events_per_token": []} for k in names})
+                                         "events_per_token": [], "cpu_us_per_event": [], "cache_hit": []} for k in names})
         for k in names:
             for f in s[k]:
                 if r[k].get(f) is not None:
@@ -285,12 +287,14 @@ def write_results(rows: list[dict], args) -> None:
         return f"{statistics.median(xs):.3g}" if xs else "–"
 
     lines = ["Frontend CPU per request and per streamed token; medians over rounds (per-round values in the JSON).", "",
-             "| workload | conc | " + " | ".join(f"{k}: CPU-ms/request | {k}: CPU-s/1k tokens | {k}: events/token | {k}: TTFT p50 ms" for k in names) + " |",
-             "|---|---|" + "---|---|---|---|" * len(names)]
+             "| workload | conc | " + " | ".join(f"{k}: CPU-ms/request | {k}: CPU-s/1k tokens | {k}: CPU-µs/event | {k}: events/token | {k}: TTFT p50 ms | {k}: cache hit"
+                                                  for k in names) + " |",
+             "|---|---|" + "---|---|---|---|---|---|" * len(names)]
     for key, s in summary.items():
         wl, conc = key.split("@c")
         lines.append(f"| {wl} | {conc} | " + " | ".join(
-            f"{med(s[k]['cpu_ms_per_request'])} | {med(s[k]['cpu_s_per_1k_tokens'])} | {med(s[k]['events_per_token'])} | {med(s[k]['ttft_p50_ms'])}"
+            f"{med(s[k]['cpu_ms_per_request'])} | {med(s[k]['cpu_s_per_1k_tokens'])} | {med(s[k]['cpu_us_per_event'])} | "
+            f"{med(s[k]['events_per_token'])} | {med(s[k]['ttft_p50_ms'])} | {med(s[k]['cache_hit'])}"
             for k in names) + " |")
     t1 = summary.get("ttft1@c1")
     if t1:

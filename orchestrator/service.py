@@ -43,7 +43,7 @@ from orchestrator.errors import (
     ServiceUnavailableError,
 )
 from orchestrator.lora import LoraAdapterSpec, LoraManager, features_of
-from orchestrator.metrics import FrontendMetrics
+from orchestrator.metrics import BatchedObserver, FrontendMetrics
 from orchestrator.multimodal import stamp_uuids
 from orchestrator.security.http import read_body
 from orchestrator.pool import WorkerPool
@@ -488,7 +488,7 @@ class InferenceService:
         """
         d.relay_started = True
         rreq, t0, model = d.rreq, d.t0, d.rreq.model
-        itl = self.metrics.itl.labels(model)
+        itl = BatchedObserver(self.metrics.itl.labels(model))  # per-token: counted here, added in batches
         tracker = StreamTracker() if d.blocker is None else None
         rewriter: ChunkRewriter | None = None
         migrations = 0
@@ -561,6 +561,7 @@ class InferenceService:
             status = "cancelled"
             raise
         finally:
+            itl.flush()
             if d.resp is not None:
                 await d.resp.aclose()
             if final_usage:
