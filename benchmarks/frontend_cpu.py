@@ -175,6 +175,7 @@ async def main() -> None:
     ap.add_argument("--stream-concurrency", default="64,256")
     ap.add_argument("--stream-requests", type=int, default=256, help="requests per stream run (at least the concurrency)")
     ap.add_argument("--ttft-requests", type=int, default=48)
+    ap.add_argument("--idle-s", type=float, default=10.0, help="seconds without load, to measure the frontend's own background CPU")
     ap.add_argument("--speedup", type=float, default=2.0, help="sim engine speed-up (paces decode; 1 = the profile's ITL)")
     ap.add_argument("--pyspy", type=Path, default=None, help="folder for py-spy raw profiles (uses $PYSPY or py-spy)")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
@@ -215,6 +216,10 @@ async def main() -> None:
         for k, p in ports.items():  # warm-up: tokenizer load, connections
             await closed_loop(f"http://127.0.0.1:{p}", 4, short_bodies(8, 16, 99))
         names = list(trees)
+        idle0 = {k: cpu_seconds(procs[k].pid) for k in names}
+        await asyncio.sleep(args.idle_s)  # no load: what the frontend spends on its own (scrapes, telemetry, events, timers)
+        idle = {k: round((cpu_seconds(procs[k].pid) - idle0[k]) / args.idle_s * 1000, 2) for k in names}
+        print(json.dumps({"idle_cpu_ms_per_s": idle}), flush=True)
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for wl in workloads:
@@ -264,10 +269,10 @@ async def main() -> None:
             await e.stop()
     if args.pyspy:
         return
-    write_results(rows, args)
+    write_results(rows, args, idle)
 
 
-def write_results(rows: list[dict], args) -> None:
+def write_results(rows: list[dict], args, idle: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     names = [k for k in ("base", "new") if any(k in r for r in rows)]
     summary: dict = {}
@@ -280,7 +285,8 @@ def write_results(rows: list[dict], args) -> None:
                 if r[k].get(f) is not None:
                     s[k][f].append(r[k][f])
     out = {"benchmark": "frontend_cpu", "machine": f"{os.cpu_count()} cores (shared)", "baseline": str(args.baseline) if args.baseline else None,
-           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "rows": rows, "summary": summary}
+           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+           "idle_cpu_ms_per_s": idle, "rows": rows, "summary": summary}
     (RESULTS / "frontend_cpu.json").write_text(json.dumps(out, indent=2))
 
     def med(xs):
@@ -296,6 +302,8 @@ def write_results(rows: list[dict], args) -> None:
             f"{med(s[k]['cpu_ms_per_request'])} | {med(s[k]['cpu_s_per_1k_tokens'])} | {med(s[k]['cpu_us_per_event'])} | "
             f"{med(s[k]['events_per_token'])} | {med(s[k]['ttft_p50_ms'])} | {med(s[k]['cache_hit'])}"
             for k in names) + " |")
+    lines += ["", "Background CPU with no load (scrapes, telemetry, KV events, timers), CPU-ms per second: "
+              + ", ".join(f"{k} {idle[k]}" for k in names) + " (included in every figure above)."]
     t1 = summary.get("ttft1@c1")
     if t1:
         lines += ["", "TTFT added at concurrency 1 (p50, frontend − direct, per round): " + "; ".join(

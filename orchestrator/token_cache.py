@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 from array import array
 from collections import OrderedDict
@@ -40,22 +41,32 @@ def _solid(ch: str) -> bool:
     return ch.isprintable() and not ch.isspace()
 
 
+# a lone newline between two characters that are neither whitespace nor C0/C1 controls (checked further by _solid)
+_CANDIDATE = re.compile(r"[^\s\x00-\x1f\x7f-\x9f]\n[^\s\x00-\x1f\x7f-\x9f]")
+_MAX_REJECTS = 64  # candidates _solid refuses (format characters) before the rest of a text is left in one chunk
+
+
 def exact_cuts(text: str, chunk_chars: int) -> list[int]:
     """Exact cut positions (see the module header), the first at or after `chunk_chars`, then each at least
     `chunk_chars` after the one before. A cut depends only on the text up to one character past it, so two texts
-    that share a prefix share every cut strictly inside it (what makes a conversation's chunks repeat)."""
+    that share a prefix share every cut strictly inside it (what makes a conversation's chunks repeat).
+    Linear in the text, in C (a regex search per cut): a hostile prompt of newlines cannot hold the GIL long."""
     cuts: list[int] = []
-    n = len(text)
-    target = chunk_chars
-    find = text.find
-    while target < n:
-        i = find("\n", max(target - 1, 1))
-        while i != -1 and i + 1 < n and not (_solid(text[i - 1]) and _solid(text[i + 1])):
-            i = find("\n", i + 1)
-        if i == -1 or i + 1 >= n:
+    target, rejects = chunk_chars, 0
+    search = _CANDIDATE.search
+    while target < len(text):
+        m = search(text, max(target - 2, 0))
+        if m is None:
             break
-        cuts.append(i + 1)
-        target = i + 1 + chunk_chars
+        c = m.start() + 2
+        if not (_solid(text[c - 2]) and _solid(text[c])):
+            rejects += 1
+            if rejects > _MAX_REJECTS:
+                break
+            target = m.start() + 3  # search on from the next character
+            continue
+        cuts.append(c)
+        target = c + chunk_chars
     return cuts
 
 

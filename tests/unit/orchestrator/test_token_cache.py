@@ -154,3 +154,9 @@ async def test_long_chat_prompts_through_the_preparer_are_exact(tok):
         assert prep.chunked(tok).hits > 0
     finally:
         prep.close()
+
+
+def test_cuts_skip_refused_candidates_and_give_up_on_hostile_text():
+    assert exact_cuts("a\u200b\nb" + "x\ny", 1) == [6]  # the format character's newline refused, the next one taken
+    assert exact_cuts("\n" * 1_000_000, 16) == []  # one regex search, no per-newline Python loop
+    assert exact_cuts("a\u200b\nb" * 100 + "x\ny", 1) == []  # past _MAX_REJECTS refusals the rest stays one chunk
