@@ -179,7 +179,15 @@ async def main() -> None:
     ap.add_argument("--speedup", type=float, default=2.0, help="sim engine speed-up (paces decode; 1 = the profile's ITL)")
     ap.add_argument("--pyspy", type=Path, default=None, help="folder for py-spy raw profiles (uses $PYSPY or py-spy)")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--render", type=Path, default=None, help="only rewrite the .md from this frontend_cpu.json")
     args = ap.parse_args()
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        for k, v in saved["args"].items():
+            setattr(args, k, Path(v) if k == "baseline" and v else v)
+        args.render = None
+        write_results(saved["rows"], args, saved["idle_cpu_ms_per_s"])
+        return
     workloads = args.workloads.split(",")
     tmp = Path(tempfile.mkdtemp(prefix="kvyard-fecpu-"))
     prefix = f"kvyard-bench-{uuid.uuid4().hex[:6]}"
@@ -292,7 +300,11 @@ def write_results(rows: list[dict], args, idle: dict) -> None:
     def med(xs):
         return f"{statistics.median(xs):.3g}" if xs else "–"
 
-    lines = ["Frontend CPU per request and per streamed token; medians over rounds (per-round values in the JSON).", "",
+    lines = [f"`benchmarks/frontend_cpu.py --baseline {args.baseline} --rounds {args.rounds} --speedup {args.speedup:g}`: two sim engines, "
+             f"frontends `base` (the baseline tree) and `new` (this tree) on them in turn, {args.rounds} rounds in rotated order; "
+             f"long = {args.conversations} multi-turn chats x {args.turns} turns (~19k-token prompts), stream = 64-token prompts x 512 "
+             f"output tokens, ttft1 = concurrency 1, 16 output tokens. Frontend CPU from /proc (all threads); "
+             f"medians over rounds (per-round values in the JSON). Machine: {os.cpu_count()} cores shared with other work.", "",
              "| workload | conc | " + " | ".join(f"{k}: CPU-ms/request | {k}: CPU-s/1k tokens | {k}: CPU-µs/event | {k}: events/token | {k}: TTFT p50 ms | {k}: cache hit"
                                                   for k in names) + " |",
              "|---|---|" + "---|---|---|---|---|---|" * len(names)]
@@ -302,6 +314,17 @@ def write_results(rows: list[dict], args, idle: dict) -> None:
             f"{med(s[k]['cpu_ms_per_request'])} | {med(s[k]['cpu_s_per_1k_tokens'])} | {med(s[k]['cpu_us_per_event'])} | "
             f"{med(s[k]['events_per_token'])} | {med(s[k]['ttft_p50_ms'])} | {med(s[k]['cache_hit'])}"
             for k in names) + " |")
+    if len(names) == 2:
+        lines += ["", "new / base per round (the same round's two runs; min–max, median):", "",
+                  "| workload | conc | CPU per request | CPU per event | TTFT p50 |", "|---|---|---|---|---|"]
+        for key in summary:
+            wl, conc = key.split("@c")
+            rs = [r for r in rows if r["workload"] == wl and r["concurrency"] == int(conc)]
+
+            def ratio(f):
+                xs = sorted(r["new"][f] / r["base"][f] for r in rs if r["new"].get(f) and r["base"].get(f))
+                return f"{xs[0]:.2f}–{xs[-1]:.2f} ({statistics.median(xs):.2f})" if xs else "–"
+            lines.append(f"| {wl} | {conc} | {ratio('cpu_ms_per_request')} | {ratio('cpu_us_per_event')} | {ratio('ttft_p50_ms')} |")
     lines += ["", "Background CPU with no load (scrapes, telemetry, KV events, timers), CPU-ms per second: "
               + ", ".join(f"{k} {idle[k]}" for k in names) + " (included in every figure above)."]
     t1 = summary.get("ttft1@c1")

@@ -119,6 +119,7 @@ def test_limit_and_special_tokens_match_the_tokenizer(tok):
     cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=64)
     n = len(whole(tok, text))
     assert cached.count_or_ids(text, n - 1, add_special_tokens=False) == (n, None)
+    assert cached._tokens == 0 and not cached._lru  # a refused prompt leaves nothing in the cache
     assert cached.count_or_ids(text, n, add_special_tokens=True) == tok.count_or_ids(text, n, add_special_tokens=True)
 
 
