@@ -161,3 +161,27 @@ def test_cuts_skip_refused_candidates_and_give_up_on_hostile_text():
     assert exact_cuts("a\u200b\nb" + "x\ny", 1) == [6]  # the format character's newline refused, the next one taken
     assert exact_cuts("\n" * 1_000_000, 16) == []  # one regex search, no per-newline Python loop
     assert exact_cuts("a\u200b\nb" * 100 + "x\ny", 1) == []  # past _MAX_REJECTS refusals the rest stays one chunk
+
+
+def _gpt2_style() -> Tokenizer:
+    """GPT-2's shape: ByteLevel with its own regex (`\\s+(?!\\S)` backs off a character), merges across whitespace
+    runs and newlines, so a wrong cut would change the ids."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    merges = [("Ġ", "Ċ"), ("Ċ", "Ċ"), ("Ġ", "Ġ"), ("Ċ", "a"), ("Ġ", "a"), (".", "Ċ"), ("a", "Ċ")]
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return t
+
+
+def test_a_gpt2_style_tokenizer_qualifies_and_chunks_exactly():
+    t = _gpt2_style()
+    assert exact_cuts_reason(t) is None
+    rng = random.Random(11)
+    for _ in range(40):
+        text = _self_test_text(rng, 600)
+        cuts = exact_cuts(text, 1)
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert [i for e in t.encode_batch(pieces, add_special_tokens=False) for i in e.ids] == t.encode(text, add_special_tokens=False).ids
