@@ -21,7 +21,9 @@ The rule is not trusted blindly: `exact_cuts_reason(tok)` enables the cache only
 pre-tokenizer, post-processor and added tokens have the shape the argument needs, *and* that passes a self-test at
 load (random text dense in cuts, tokenized whole and by chunks cut at every exact cut, must agree). Any other
 tokenizer (SentencePiece/Metaspace with its prefix space, look-behind patterns, added tokens that strip whitespace)
-is tokenized whole, as before. `ChunkedTokenizer.count_or_ids` returns what `PromptTokenizer.count_or_ids` would.
+is tokenized whole, as before, and so is any text over MAX_CHUNKED_CHARS (hostile sizes). An over-limit prompt builds
+no list of ids and leaves nothing cached. `ChunkedTokenizer.count_or_ids` returns what `PromptTokenizer.count_or_ids`
+would.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def _solid(ch: str) -> bool:
     return ch.isprintable() and not ch.isspace()
 
 
+# longer texts (past any context of 256k tokens) are tokenized whole, as before: a hostile prompt takes the path
+# benchmarks/hostile_prompt.py measured, and fills no cache
+MAX_CHUNKED_CHARS = 1 << 20
 _MAX_REJECTS = 64  # newlines refused in a row (blank lines, spaces around them) before the rest stays one chunk
 
 
@@ -174,7 +179,8 @@ class ChunkedTokenizer:
 
     def count_or_ids(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
         """(token count, ids), the ids only when the count is at most `limit`: exactly the tokenizer's own answer."""
-        if self.reason is not None or len(text) < 2 * self.chunk_chars or (add_special_tokens and not self._specials_free):
+        if (self.reason is not None or not 2 * self.chunk_chars <= len(text) <= MAX_CHUNKED_CHARS
+                or (add_special_tokens and not self._specials_free)):
             return self._tok.count_or_ids(text, limit, add_special_tokens)
         cuts = exact_cuts(text, self.chunk_chars)
         if not cuts:

@@ -131,6 +131,10 @@ def test_the_cache_is_bounded_and_can_be_off(tok):
         want = whole(tok, text)
         assert cached.count_or_ids(text, 1 << 30, add_special_tokens=False)[1] == want
         assert cached._tokens <= 2_000
+    before = cached.hits + cached.misses
+    huge = "ab\ncd " * (200_000)  # past MAX_CHUNKED_CHARS: tokenized whole, nothing cached
+    assert len(huge) > 1 << 20
+    assert cached.count_or_ids(huge, 1 << 30, add_special_tokens=False)[0] == len(whole(tok, huge)) and cached.hits + cached.misses == before
     off = ChunkedTokenizer(tok, 0)
     assert not off.enabled and off.count_or_ids("a\nb" * 2000, 1 << 30, add_special_tokens=False)[1] == whole(tok, "a\nb" * 2000)
 
