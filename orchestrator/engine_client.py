@@ -36,12 +36,10 @@ class EngineResponse:
         self._resp = resp
         self.status_code = resp.status
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise EngineStreamError(f"{type(exc).__name__}: {exc}") from exc
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (whatever is buffered, per read): one awaited call per chunk, no generators
+        stacked in between (the relay runs this once per streamed token)."""
+        return _RawChunks(self._resp.content)
 
     async def aread(self) -> bytes:
         try:
@@ -60,6 +58,27 @@ class EngineResponse:
             self._resp.release()
         else:
             self._resp.close()
+
+
+class _RawChunks:
+    """`async for chunk in ...`: aiohttp's readany() until EOF, its errors as EngineStreamError."""
+
+    __slots__ = ("_content",)
+
+    def __init__(self, content: aiohttp.StreamReader) -> None:
+        self._content = content
+
+    def __aiter__(self) -> "_RawChunks":
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._content.readany()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise EngineStreamError(f"{type(exc).__name__}: {exc}") from exc
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
 
 
 class EngineClient:

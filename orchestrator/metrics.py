@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["FrontendMetrics"]
+__all__ = ["FrontendMetrics", "BatchedObserver"]
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
@@ -71,3 +73,43 @@ class FrontendMetrics:
                      if s.labels.get("worker") == worker_id}
             for values in stale:
                 metric.remove(*values)
+
+
+class BatchedObserver:
+    """A histogram child's observations, counted locally and added to it every `every` observations and on `flush`.
+
+    The relay observes every inter-token gap of every stream; `Histogram.observe` takes two locks and walks the
+    buckets (~2 us), this a bisect and a list increment. The histogram shows the same counts and sum, at most
+    `every` gaps (and one stream's end) late. Falls back to plain `observe` if prometheus_client's child layout
+    (`_upper_bounds`, `_buckets`, `_sum`) is not there."""
+
+    __slots__ = ("_child", "_bounds", "_counts", "_sum", "_n", "_every", "observe")
+
+    def __init__(self, child, every: int = 64) -> None:
+        self._child, self._every = child, every
+        self._bounds = getattr(child, "_upper_bounds", None)
+        if self._bounds is None or not hasattr(child, "_buckets") or not hasattr(child, "_sum"):
+            self.observe = child.observe
+            self._counts = None
+            return
+        self._counts = [0] * len(self._bounds)
+        self._sum, self._n = 0.0, 0
+        self.observe = self._observe
+
+    def _observe(self, amount: float) -> None:
+        self._counts[bisect_left(self._bounds, amount)] += 1  # the first bucket whose bound is >= amount (+Inf last)
+        self._sum += amount
+        self._n += 1
+        if self._n >= self._every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._counts or not self._n:
+            return
+        child, counts = self._child, self._counts
+        child._sum.inc(self._sum)
+        for i, k in enumerate(counts):
+            if k:
+                child._buckets[i].inc(k)
+                counts[i] = 0
+        self._sum, self._n = 0.0, 0

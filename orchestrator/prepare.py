@@ -15,18 +15,22 @@ for 12.6 s):
      a small thread pool, with the tokenizer's GIL-free encode_batch; the list of ids is built only
      for a prompt that fits. Short prompts (the common case) stay on the loop: a thread hop would
      cost more than they do.
+  3. long prompts are tokenized by chunks whose ids are cached (orchestrator/token_cache.py): a
+     conversation's history, re-sent with every turn, is tokenized once.
 Measured (benchmarks/results/hostile_prompt.json): the longest loop stall an 8 MB prompt causes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from orchestrator.errors import BadRequestError, ContextLengthError
 from orchestrator.multimodal import chat_prompt
 from orchestrator.pool import WorkerPool
 from orchestrator.protocol import ChatCompletionRequest
+from orchestrator.token_cache import ChunkedTokenizer
 from orchestrator.tokenizer import PromptTokenizer, load_tokenizer
 from workers.multimodal import ContentError, MmTokenSpec, flatten_messages
 
@@ -65,10 +69,23 @@ class _GilFree:
 
 
 class PromptPreparer:
-    def __init__(self, pool: WorkerPool, max_tokens_cap: int = 0, workers: int = 2) -> None:
+    def __init__(self, pool: WorkerPool, max_tokens_cap: int = 0, workers: int = 2, cache_tokens: int = 0) -> None:
         self.pool = pool
         self.max_tokens_cap = max_tokens_cap
+        self.cache_tokens = cache_tokens
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvyard-prep")
+        self._chunked: dict[int, ChunkedTokenizer] = {}  # id(PromptTokenizer) -> its chunk cache
+        self._chunked_lock = threading.Lock()
+
+    def chunked(self, tok: PromptTokenizer) -> ChunkedTokenizer:
+        """The tokenizer's chunk cache, made (and self-tested, orchestrator/token_cache.py) on first use."""
+        got = self._chunked.get(id(tok))
+        if got is None:
+            with self._chunked_lock:  # called on the thread pool
+                got = self._chunked.get(id(tok))
+                if got is None:
+                    got = self._chunked[id(tok)] = ChunkedTokenizer(tok, self.cache_tokens)
+        return got
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -105,14 +122,16 @@ class PromptPreparer:
             raise _too_long(ctx, None, chars, param)
 
         def tokenize() -> tuple[int, list[int] | None, list]:
+            # long prompts (tokenized off the loop): the same ids as tok's, from cached chunks where it can
+            cached = self.chunked(tok) if chars > INLINE_CHARS else tok
             if texts is not None:
-                return (*max((tok.count_or_ids(t, ctx) for t in texts), key=lambda r: r[0]), [])
+                return (*max((cached.count_or_ids(t, ctx) for t in texts), key=lambda r: r[0]), [])
             try:
                 flat, items = flatten_messages(msgs)
             except ContentError as exc:
                 raise BadRequestError(str(exc), param=exc.param) from exc
             if not items:  # the template carries any special tokens, as vLLM does for chat
-                return (*tok.count_or_ids(tok.render_chat(flat), ctx, add_special_tokens=False), [])
+                return (*cached.count_or_ids(tok.render_chat(flat), ctx, add_special_tokens=False), [])
             ids, items = chat_prompt(_GilFree(tok), msgs, spec)
             return len(ids), (ids if len(ids) <= ctx else None), items
 

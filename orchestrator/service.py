@@ -43,7 +43,7 @@ from orchestrator.errors import (
     ServiceUnavailableError,
 )
 from orchestrator.lora import LoraAdapterSpec, LoraManager, features_of
-from orchestrator.metrics import FrontendMetrics
+from orchestrator.metrics import BatchedObserver, FrontendMetrics
 from orchestrator.multimodal import stamp_uuids
 from orchestrator.security.http import read_body
 from orchestrator.pool import WorkerPool
@@ -146,7 +146,7 @@ class InferenceService:
         self.hung = HungWorkers(self._probe, self._trip, self._has_alternative)
         pool.on_worker_unresponsive.append(self.hung.suspect)
         pool.on_worker_left.append(self._forget)
-        self.prep = PromptPreparer(pool, cfg.max_tokens_cap)
+        self.prep = PromptPreparer(pool, cfg.max_tokens_cap, cache_tokens=cfg.prompt_cache_tokens)
         self.fields = RequestFields(cfg.security.request_fields, on_removed=lambda reason: metrics.fields_removed.labels(reason).inc())
         # disaggregated prefill/decode (orchestrator/disagg): set by the app; None serves every model aggregated
         self.disagg = None
@@ -488,7 +488,7 @@ class InferenceService:
         """
         d.relay_started = True
         rreq, t0, model = d.rreq, d.t0, d.rreq.model
-        itl = self.metrics.itl.labels(model)
+        itl = BatchedObserver(self.metrics.itl.labels(model))  # per-token: counted here, added in batches
         tracker = StreamTracker() if d.blocker is None else None
         rewriter: ChunkRewriter | None = None
         migrations = 0
@@ -561,6 +561,7 @@ class InferenceService:
             status = "cancelled"
             raise
         finally:
+            itl.flush()
             if d.resp is not None:
                 await d.resp.aclose()
             if final_usage:

@@ -55,7 +55,10 @@ async def relay_sse(
 ) -> AsyncIterator[bytes]:
     buf = b""
     async for chunk in chunks:
-        buf += chunk
+        if buf:
+            buf += chunk
+        else:
+            buf = chunk  # the usual case: the read ends where an event ends, nothing is carried over
         if b"\n\n" not in buf:
             continue
         *events, buf = buf.split(b"\n\n")

@@ -36,6 +36,15 @@ class PromptTokenizer:
         self.max_chars_per_token = max(1, longest) * (4 if self._tok.normalizer is not None else 1)
         self._encode_many = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # _fast: tokenizers >= 0.21
 
+    @property
+    def raw(self) -> Tokenizer:
+        """The Rust tokenizer (orchestrator/token_cache.py inspects its pipeline)."""
+        return self._tok
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list:
+        """Encodings of several texts in one call, with the GIL released (in parallel across texts)."""
+        return self._encode_many(texts, add_special_tokens=add_special_tokens)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

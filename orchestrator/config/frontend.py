@@ -151,6 +151,9 @@ class FrontendConfig(BaseModel):
     body_timeout_s: float = Field(30.0, gt=0, description="longest silence inside a request body (408 and closed)")
     max_connections: int = Field(4096, ge=1, description="open client connections; more are closed as they arrive")
     max_tokens_cap: int = Field(0, ge=0, description="largest max_tokens accepted (400 above; 0: the context bounds it)")
+    prompt_cache_tokens: int = Field(2_000_000, ge=0, description="token ids of long prompts' chunks kept per tokenizer, "
+                                     "so a conversation's history is tokenized once (about 8 bytes each with their text; 0: off; "
+                                     "orchestrator/token_cache.py)")
     log_requests: bool = Field(False, description="access log: one line per inference request on the kvyard.access logger "
                                                   "(status, worker, tokens, queue/TTFT/total time; orchestrator/access_log.py)")
     log_requests_format: Literal["text", "json"] = Field("text", description="access log lines as key=value text or JSON")

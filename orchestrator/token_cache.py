@@ -1,0 +1,220 @@
+"""Token ids of long prompts from cached chunks: a conversation's every turn re-sends its history, tokenized once.
+
+Tokenizing is most of the frontend's CPU for a long prompt (cl100k, ~19k tokens: ~23 ms of ~27 ms per request,
+benchmarks/results/frontend_cpu.md), and a multi-turn chat sends the same history again with each turn. So a prompt
+is cut into chunks of about `chunk_chars` characters at *exact cuts*, each chunk is tokenized on its own and its ids
+are kept in an LRU keyed by the chunk's text; the prompt's ids are the chunks' ids end to end. Only chunks not seen
+before are tokenized (one `encode_batch_fast` call: GIL released, chunks in parallel).
+
+Exact cut (what makes the concatenation equal to tokenizing the whole text): position c with
+    text[c-2] printable and not whitespace,  text[c-1] == "\\n",  text[c] printable and not whitespace.
+Why this is exact, for the tokenizers it is enabled on: Hugging Face `tokenizers` pre-tokenizes with a regex
+split (GPT-2, cl100k, o200k, Llama 3, Qwen 2 all have this shape), then BPE-encodes each piece on its own. In
+those regexes no piece holds a lone newline together with a non-space character after it, and the piece holding
+that newline is the same whether text ends there (a chunk's end) or goes on with a non-space character: `\\s+(?!\\S)`
+vs `\\s+`, `\\s++$` vs `\\s*[\\r\\n]` all give "\\n" (or "<punctuation>\\n", which stops at the next non-newline).
+With no look-behind in the pattern, the pieces after c are those of text[c:] tokenized alone. A single whitespace
+character is required on purpose: runs such as "\\n\\n" or " \\n" split differently before a letter than at the end
+(GPT-2's `\\s+(?!\\S)` backs off one character).
+
+The rule is not trusted blindly: `exact_cuts_reason(tok)` enables the cache only for a tokenizer whose normalizer,
+pre-tokenizer, post-processor and added tokens have the shape the argument needs, *and* that passes a self-test at
+load (random text dense in cuts, tokenized whole and by chunks cut at every exact cut, must agree). Any other
+tokenizer (SentencePiece/Metaspace with its prefix space, look-behind patterns, added tokens that strip whitespace)
+is tokenized whole, as before, and so is any text over MAX_CHUNKED_CHARS (hostile sizes). An over-limit prompt builds
+no list of ids and leaves nothing cached. `ChunkedTokenizer.count_or_ids` returns what `PromptTokenizer.count_or_ids`
+would.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from array import array
+from collections import OrderedDict
+
+__all__ = ["ChunkedTokenizer", "exact_cuts", "exact_cuts_reason"]
+
+
+def _solid(ch: str) -> bool:
+    """A character no regex `\\s` matches (stricter than needed: format and control characters count as not solid)."""
+    return ch.isprintable() and not ch.isspace()
+
+
+# longer texts (past any context of 256k tokens) are tokenized whole, as before: a hostile prompt takes the path
+# benchmarks/hostile_prompt.py measured, and fills no cache
+MAX_CHUNKED_CHARS = 1 << 20
+_MAX_REJECTS = 64  # newlines refused in a row (blank lines, spaces around them) before the rest stays one chunk
+
+
+def exact_cuts(text: str, chunk_chars: int) -> list[int]:
+    """Exact cut positions (see the module header), the first at or after `chunk_chars`, then each at least
+    `chunk_chars` after the one before. A cut depends only on the text up to one character past it, so two texts
+    that share a prefix share every cut strictly inside it (what makes a conversation's chunks repeat).
+    Newlines are found with str.find (memchr: ~0.1 ms for 4 MB, the GIL held that long at most) and at most
+    _MAX_REJECTS refused ones are looked at per cut, so a hostile prompt of newlines costs no Python loop."""
+    cuts: list[int] = []
+    n, find, rejects = len(text), text.find, 0
+    i = find("\n", max(chunk_chars - 1, 1))
+    while i != -1 and i + 1 < n:
+        if _solid(text[i - 1]) and _solid(text[i + 1]):
+            cuts.append(i + 1)
+            rejects = 0
+            i = find("\n", i + chunk_chars)  # the next cut at least chunk_chars on: its newline at >= cut + chunk - 1
+        else:
+            rejects += 1
+            if rejects > _MAX_REJECTS:
+                break
+            i = find("\n", i + 1)
+    return cuts
+
+
+_SAFE_PRE = {"Sequence", "Split", "ByteLevel", "Digits"}
+_SAFE_NORM = {None, "NFC"}
+_SAFE_POST = {None, "ByteLevel"}  # add nothing to the ids of one sequence
+
+
+def _looks_behind(regex: str) -> bool:
+    """True if the pattern can depend on text before a match: look-behind, `^`, or the \\b \\B \\A \\G anchors
+    (outside character classes, where `^` negates and escapes mean characters)."""
+    i, in_class = 0, False
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\":
+            if not in_class and regex[i + 1:i + 2] in ("b", "B", "A", "G"):
+                return True
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            if regex[i + 1:i + 2] == "^":
+                i += 1
+            if regex[i + 1:i + 2] == "]":  # a leading ] is a literal
+                i += 1
+        elif ch == "^" or regex.startswith("(?<", i):
+            return True
+        i += 1
+    return False
+
+
+def _pre_tokenizer_reason(node: dict | None) -> str | None:
+    if node is None:
+        return "no pre-tokenizer"
+    kind = node.get("type")
+    if kind not in _SAFE_PRE:
+        return f"pre-tokenizer {kind}"
+    if kind == "Sequence":
+        return next((r for r in map(_pre_tokenizer_reason, node.get("pretokenizers", [])) if r), None)
+    if kind == "ByteLevel" and node.get("add_prefix_space"):
+        return "ByteLevel adds a prefix space"
+    if kind == "Split":
+        pattern = node.get("pattern", {})
+        regex = pattern.get("Regex", pattern.get("String", ""))
+        if node.get("behavior") != "Isolated" or node.get("invert"):
+            return f"Split behaviour {node.get('behavior')}"
+        if _looks_behind(regex):
+            return "the split pattern looks behind"
+    return None
+
+
+def _state(obj) -> dict | None:
+    return json.loads(obj.__getstate__()) if obj is not None else None
+
+
+def _self_test_text(rng: random.Random, n: int) -> str:
+    """Text dense in the places where cuts could go wrong: newlines between letters, digits, punctuation,
+    apostrophes, spaces, tabs, CRs, non-ASCII letters, combining marks, emoji, and runs of them."""
+    atoms = ["a", "Z", "é", "中", "7", "123", " ", "  ", "\t", "\r", "\n", "\n\n", ".", "!", "'", "'s", "<|", "|>", "-", "😀",
+             "\u0301", "\u00a0", "don't", "word", " word", "\r\n", "?\n", ":", "#", "\u200b"]
+    return "".join(rng.choice(atoms) for _ in range(n))
+
+
+def exact_cuts_reason(tok) -> str | None:
+    """None when cutting at exact cuts reproduces whole-text tokenization for `tok` (a tokenizers.Tokenizer), else why not."""
+    if tok.normalizer is not None and _state(tok.normalizer).get("type") not in _SAFE_NORM:
+        return f"normalizer {_state(tok.normalizer).get('type')}"
+    reason = _pre_tokenizer_reason(_state(tok.pre_tokenizer))
+    if reason:
+        return reason
+    for added in tok.get_added_tokens_decoder().values():
+        if added.lstrip or added.rstrip or any(ch.isspace() for ch in added.content):
+            return f"added token {added.content!r} strips or holds whitespace"
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    rng = random.Random(22)
+    texts = [_self_test_text(rng, 400) for _ in range(24)]
+    for text in texts:
+        cuts = exact_cuts(text, 1)
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        whole = encode([text], add_special_tokens=False)[0].ids
+        parts = [i for e in encode(pieces, add_special_tokens=False) for i in e.ids]
+        if whole != parts:
+            return "the self-test found a cut that changes the tokens"
+    return None
+
+
+class ChunkedTokenizer:
+    """`count_or_ids` of a PromptTokenizer, from a shared LRU of chunk ids (bounded by `capacity_tokens`).
+
+    Thread-safe: the frontend tokenizes long prompts on a small thread pool (orchestrator/prepare.py)."""
+
+    def __init__(self, tok, capacity_tokens: int, chunk_chars: int = 1024) -> None:
+        self._tok = tok  # orchestrator.tokenizer.PromptTokenizer
+        self._encode_many = tok.encode_many
+        self.capacity_tokens = capacity_tokens
+        self.chunk_chars = chunk_chars
+        self.reason = exact_cuts_reason(tok.raw) if capacity_tokens > 0 else "disabled"
+        post = _state(tok.raw.post_processor)
+        self._specials_free = post is None or post.get("type") in _SAFE_POST
+        self._lru: OrderedDict[str, array] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0  # chunks
+
+    @property
+    def enabled(self) -> bool:
+        return self.reason is None
+
+    def count_or_ids(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
+        """(token count, ids), the ids only when the count is at most `limit`: exactly the tokenizer's own answer."""
+        if (self.reason is not None or not 2 * self.chunk_chars <= len(text) <= MAX_CHUNKED_CHARS
+                or (add_special_tokens and not self._specials_free)):
+            return self._tok.count_or_ids(text, limit, add_special_tokens)
+        cuts = exact_cuts(text, self.chunk_chars)
+        if not cuts:
+            return self._tok.count_or_ids(text, limit, add_special_tokens)
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        found: list[array | None] = []
+        with self._lock:
+            for c in chunks:
+                ids = self._lru.get(c)
+                if ids is not None:
+                    self._lru.move_to_end(c)
+                found.append(ids)
+        missing = [c for c, ids in zip(chunks, found) if ids is None]
+        encoded = self._encode_many(missing, add_special_tokens=False) if missing else []
+        n = sum(len(ids) for ids in found if ids is not None) + sum(len(e) for e in encoded)
+        if n > limit:  # refused: no Python list of its ids is built (a hostile prompt), nothing of it is kept
+            return n, None
+        new = [array("I", e.ids) for e in encoded]
+        it = iter(new)
+        parts = [ids if ids is not None else next(it) for ids in found]
+        self._remember(missing, new, len(chunks) - len(missing))
+        out: list[int] = []
+        for p in parts:
+            out.extend(p)
+        return n, out
+
+    def _remember(self, chunks: list[str], ids: list[array], hits: int) -> None:
+        with self._lock:
+            self.hits += hits
+            self.misses += len(chunks)
+            for c, i in zip(chunks, ids):
+                if c not in self._lru:
+                    self._lru[c] = i
+                    self._tokens += len(i)
+            while self._tokens > self.capacity_tokens and self._lru:
+                _, old = self._lru.popitem(last=False)
+                self._tokens -= len(old)

@@ -1,0 +1,83 @@
+"""The SSE relay (orchestrator/streaming.py) and the engine body reader (orchestrator/engine_client.py) on the token path:
+the bytes the client gets do not depend on how the engine's stream was cut into reads."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import pytest
+
+from orchestrator.engine_client import EngineStreamError, _RawChunks
+from orchestrator.resilience.migration import strip_token_ids
+from orchestrator.streaming import StreamStats, relay_sse
+
+EVENTS = [
+    b'data: {"id":"c1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"Hi","token_ids":[5]}]}',
+    b'data: {"id":"c1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" there","token_ids":[7,8]}]}',
+    b'data: {"id":"c1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"!","finish_reason":"length","token_ids":[9]}]}',
+    b'data: {"id":"c1","object":"text_completion","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}',
+    b"data: [DONE]",
+]
+STREAM = b"".join(e + b"\n\n" for e in EVENTS)
+
+
+async def _chunks(parts):
+    for p in parts:
+        yield p
+
+
+async def _relay(parts, **kw) -> tuple[bytes, StreamStats, list[bytes]]:
+    stats, seen = StreamStats(), []
+    out = b"".join([o async for o in relay_sse(_chunks(parts), stats, kw.pop("forward_usage", True), lambda: None,
+                                               lambda gap: None, on_content=seen.append, **kw)])
+    return out, stats, seen
+
+
+def _splits(data: bytes, rng: random.Random) -> list[bytes]:
+    cuts = sorted(rng.sample(range(1, len(data)), rng.randint(1, 12)))
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+
+
+@pytest.mark.parametrize("seed", range(30))
+async def test_any_cutting_of_the_stream_relays_the_same_bytes(seed):
+    rng = random.Random(seed)
+    whole, stats, seen = await _relay([STREAM])
+    assert whole == STREAM and stats.done and stats.content_events == 3 and stats.usage == {"prompt_tokens": 3, "completion_tokens": 4}
+    parts = _splits(STREAM, rng) if seed else [e + b"\n\n" for e in EVENTS]  # seed 0: one event per read (the fast path)
+    out, stats2, seen2 = await _relay(parts)
+    assert out == STREAM and seen2 == seen == EVENTS[:3] and stats2.done
+
+
+async def test_ids_are_stripped_and_usage_withheld_unless_asked():
+    out, _, seen = await _relay([STREAM], forward_usage=False, transform=strip_token_ids)
+    assert b'"usage"' not in out and b'"token_ids":null' in out and b"[5]" not in out
+    assert seen == EVENTS[:3]  # the migration tracker still sees the ids the engine sent
+    assert out.endswith(b"data: [DONE]\n\n")
+
+
+async def test_an_unterminated_last_event_is_dropped():
+    out, stats, _ = await _relay([STREAM[:-2]])
+    assert not stats.done and not out.endswith(b"[DONE]\n\n")
+
+
+class _Reader:
+    def __init__(self, items):
+        self.items = list(items)
+
+    async def readany(self) -> bytes:
+        item = self.items.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+async def test_raw_chunks_read_until_eof_and_translate_errors():
+    assert [c async for c in _RawChunks(_Reader([b"a", b"bc", b""]))] == [b"a", b"bc"]
+    for exc in (aiohttp.ClientPayloadError("cut"), asyncio.TimeoutError()):
+        got = []
+        with pytest.raises(EngineStreamError):
+            async for c in _RawChunks(_Reader([b"a", exc])):
+                got.append(c)
+        assert got == [b"a"]

@@ -1,0 +1,191 @@
+"""The chunked prompt tokenizer (orchestrator/token_cache.py) gives exactly the ids of tokenizing the whole text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+from orchestrator.token_cache import ChunkedTokenizer, _looks_behind, _self_test_text, exact_cuts, exact_cuts_reason
+from orchestrator.tokenizer import load_tokenizer
+from workers.sim.backend import SIM_TOKENIZER_DIR
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(str(SIM_TOKENIZER_DIR))
+
+
+def whole(tok, text: str, add_special_tokens: bool = False) -> list[int]:
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+@pytest.mark.parametrize("text, chunk, cuts", [
+    ("ab\ncd", 1, [3]),            # letter, newline, letter: a cut right after the newline
+    ("ab\n\ncd", 1, []),           # a run of two newlines: never
+    ("ab \ncd", 1, []),            # space before the newline: never
+    ("ab\n cd", 1, []),            # space after: never
+    ("ab\r\ncd", 1, []),           # CR is whitespace
+    ("a.\n'sb\nc", 1, [3, 7]),
+    ("x\ny\nz\nw", 3, [4]),        # the first cut at or after 3, the next at least 3 after it
+    ("x\ny\nz\nw", 1, [2, 4, 6]),
+    ("abc\n", 1, []),              # no character after the newline: not a cut (it depends on what follows)
+    ("a\u200b\nb", 1, []),         # a zero-width space is not "solid"
+    ("", 4, []),
+])
+def test_exact_cuts(text, chunk, cuts):
+    assert exact_cuts(text, chunk) == cuts
+
+
+def test_cuts_inside_a_shared_prefix_are_shared():
+    rng = random.Random(1)
+    base = _self_test_text(rng, 3000)
+    longer = base + _self_test_text(rng, 500)
+    inside = [c for c in exact_cuts(base, 64) if c < len(base)]
+    assert inside and exact_cuts(longer, 64)[:len(inside)] == inside
+
+
+@pytest.mark.parametrize("pattern, behind", [
+    (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\s++$|\s+(?!\S)|\s", False),  # cl100k: ^ only inside a class
+    (r"(?<=a)b", True), (r"(?<!a)b", True), (r"^a", True), (r"\bword", True), (r"\Aa", True),
+    (r"[\^]a", False), (r"[]^]a", False), (r"\^a", False),
+])
+def test_looks_behind(pattern, behind):
+    assert _looks_behind(pattern) is behind
+
+
+def test_the_sim_tokenizer_qualifies(tok):
+    assert exact_cuts_reason(tok.raw) is None
+
+
+def _bpe(pre) -> Tokenizer:
+    t = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "\n": 2, "▁": 3, "Ġ": 4, "Ċ": 5, "\na": 6}, merges=[("\n", "a")]))
+    t.pre_tokenizer = pre
+    return t
+
+
+@pytest.mark.parametrize("pre, why", [
+    (pre_tokenizers.Metaspace(), "pre-tokenizer Metaspace"),  # SentencePiece's prefix space: a chunk would get one too
+    (pre_tokenizers.ByteLevel(add_prefix_space=True), "ByteLevel adds a prefix space"),
+    (pre_tokenizers.Split(Regex(r"(?<=a)b|."), behavior="isolated"), "the split pattern looks behind"),
+    (pre_tokenizers.Split(Regex(r"\s+"), behavior="removed"), "Split behaviour Removed"),
+])
+def test_tokenizers_the_argument_does_not_cover_are_refused(pre, why):
+    assert exact_cuts_reason(_bpe(pre)) == why
+
+
+def test_a_tokenizer_failing_the_self_test_is_refused():
+    # a split that joins a newline with the letter after it: cutting after the newline would change the pieces
+    t = _bpe(pre_tokenizers.Split(Regex(r"\n\p{L}|."), behavior="isolated"))
+    assert exact_cuts_reason(t) == "the self-test found a cut that changes the tokens"
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_ids_equal_whole_text_ids_on_tricky_text(tok, seed, chunk):
+    rng = random.Random(seed)
+    cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=chunk)
+    text = _self_test_text(rng, 2500)
+    want = whole(tok, text)
+    for _ in range(2):  # cold, then from the cache
+        assert cached.count_or_ids(text, 1 << 30, add_special_tokens=False) == (len(want), want)
+    # every prefix length class: a text cut anywhere, continued with anything
+    for end in rng.sample(range(1, len(text)), 40):
+        t2 = text[:end] + _self_test_text(rng, 30)
+        w2 = whole(tok, t2)
+        assert cached.count_or_ids(t2, 1 << 30, add_special_tokens=False) == (len(w2), w2)
+    assert cached.hits > 0
+
+
+def test_a_growing_conversation_is_exact_and_mostly_cached(tok):
+    rng = random.Random(3)
+    words = "the cache router token stream prefill decode, don't 123 it's: é 中文 😀 ok.".split()
+    para = lambda n: " ".join(rng.choice(words) for _ in range(n)) + ".\n" + " ".join(rng.choice(words) for _ in range(n))
+    msgs = [{"role": "system", "content": para(400)}, {"role": "user", "content": para(2000)}]
+    cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
+    for turn in range(4):
+        text = tok.render_chat(msgs)
+        want = tok.encode_chat(msgs)
+        before = cached.misses
+        assert cached.count_or_ids(text, 1 << 30, add_special_tokens=False) == (len(want), want)
+        if turn:
+            assert cached.misses - before <= 8  # only the new turn's chunks (and the last one) were tokenized
+        msgs = msgs + [{"role": "assistant", "content": para(60)}, {"role": "user", "content": para(80)}]
+
+
+def test_limit_and_special_tokens_match_the_tokenizer(tok):
+    text = _self_test_text(random.Random(9), 3000)
+    cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=64)
+    n = len(whole(tok, text))
+    assert cached.count_or_ids(text, n - 1, add_special_tokens=False) == (n, None)
+    assert cached._tokens == 0 and not cached._lru  # a refused prompt leaves nothing in the cache
+    assert cached.count_or_ids(text, n, add_special_tokens=True) == tok.count_or_ids(text, n, add_special_tokens=True)
+
+
+def test_the_cache_is_bounded_and_can_be_off(tok):
+    rng = random.Random(5)
+    cached = ChunkedTokenizer(tok, 2_000, chunk_chars=64)
+    for _ in range(5):
+        text = _self_test_text(rng, 2000)
+        want = whole(tok, text)
+        assert cached.count_or_ids(text, 1 << 30, add_special_tokens=False)[1] == want
+        assert cached._tokens <= 2_000
+    before = cached.hits + cached.misses
+    huge = "ab\ncd " * (200_000)  # past MAX_CHUNKED_CHARS: tokenized whole, nothing cached
+    assert len(huge) > 1 << 20
+    assert cached.count_or_ids(huge, 1 << 30, add_special_tokens=False)[0] == len(whole(tok, huge)) and cached.hits + cached.misses == before
+    off = ChunkedTokenizer(tok, 0)
+    assert not off.enabled and off.count_or_ids("a\nb" * 2000, 1 << 30, add_special_tokens=False)[1] == whole(tok, "a\nb" * 2000)
+
+
+async def test_long_chat_prompts_through_the_preparer_are_exact(tok):
+    from orchestrator.prepare import PromptPreparer
+    from orchestrator.protocol import ChatCompletionRequest
+
+    class Pool:
+        def tokenizer_dir(self, model):
+            return str(SIM_TOKENIZER_DIR)
+
+    prep = PromptPreparer(Pool(), cache_tokens=1_000_000)
+    rng = random.Random(4)
+    msgs = [{"role": "system", "content": _self_test_text(rng, 3000)}, {"role": "user", "content": "hello\nthere"}]
+    try:
+        for _ in range(3):
+            req = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
+            ids, _ = await prep.prompt_ids(req, "m", 1 << 20)
+            assert ids == tok.encode_chat(msgs)
+            msgs = msgs + [{"role": "assistant", "content": _self_test_text(rng, 50)}, {"role": "user", "content": "and?"}]
+        assert prep.chunked(tok).hits > 0
+    finally:
+        prep.close()
+
+
+def test_cuts_skip_refused_candidates_and_give_up_on_hostile_text():
+    assert exact_cuts("a\u200b\nb" + "x\ny", 1) == [6]  # the format character's newline refused, the next one taken
+    assert exact_cuts("\n" * 1_000_000, 16) == []  # one regex search, no per-newline Python loop
+    assert exact_cuts("a\u200b\nb" * 100 + "x\ny", 1) == []  # past _MAX_REJECTS refusals the rest stays one chunk
+
+
+def _gpt2_style() -> Tokenizer:
+    """GPT-2's shape: ByteLevel with its own regex (`\\s+(?!\\S)` backs off a character), merges across whitespace
+    runs and newlines, so a wrong cut would change the ids."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    merges = [("Ġ", "Ċ"), ("Ċ", "Ċ"), ("Ġ", "Ġ"), ("Ċ", "a"), ("Ġ", "a"), (".", "Ċ"), ("a", "Ċ")]
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    t = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return t
+
+
+def test_a_gpt2_style_tokenizer_qualifies_and_chunks_exactly():
+    t = _gpt2_style()
+    assert exact_cuts_reason(t) is None
+    rng = random.Random(11)
+    for _ in range(40):
+        text = _self_test_text(rng, 600)
+        cuts = exact_cuts(text, 1)
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert [i for e in t.encode_batch(pieces, add_special_tokens=False) for i in e.ids] == t.encode(text, add_special_tokens=False).ids
