@@ -73,7 +73,7 @@ METRIC_RE = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)_total)(?:\{[^}]*\}
 
 ALL_ROUTERS = ["kvyard-kv", "kvyard-rr", "kvyard-baseline-kv", "kvyard-baseline-rr", "vllm-router-rr", "vllm-router-ca",
                "sglang-ca"]
-DEFAULT_TRACE_ROUTERS = "kvyard-kv,kvyard-rr,kvyard-baseline-kv,vllm-router-rr,vllm-router-ca,sglang-ca"
+DEFAULT_TRACE_ROUTERS = "kvyard-kv,kvyard-baseline-kv,kvyard-rr,vllm-router-rr,vllm-router-ca,sglang-ca"
 DEFAULT_STREAM_ROUTERS = "kvyard-kv,kvyard-baseline-kv,vllm-router-rr,sglang-ca"
 
 
@@ -115,6 +115,19 @@ def tree_cpu_seconds(pid: int, proc: Path = Path("/proc"), ticks: int = TICKS) -
         total += s["utime"] + s["stime"] + s["cutime"] + s["cstime"]
         todo.extend(children.get(p, []))
     return total / ticks
+
+
+def box_cpu(text: str) -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs from /proc/stat's first line (idle and iowait count as not busy)."""
+    f = [int(x) for x in text.split("\n", 1)[0].split()[1:]]
+    total = sum(f[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - f[3] - f[4], total
+
+
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """Share of the machine's CPU time that was busy between two box_cpu readings."""
+    dt = after[1] - before[1]
+    return round((after[0] - before[0]) / dt, 3) if dt > 0 else None
 
 
 def cost_row(summary: dict, cpu_s: float) -> dict:
@@ -346,7 +359,8 @@ class Router:
                 cl = (await c.get(self.url + "/api/cluster")).json()
                 if sum(w["state"] == "ready" for w in cl["workers"]) < len(self.fleet.urls):
                     return False
-            r = await c.post(self.url + "/v1/chat/completions", json={**chat_body("hello", 2), "stream": False})
+            r = await c.post(self.url + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2,
+                                                                     "messages": [{"role": "user", "content": "hello"}]})
             return r.status_code == 200
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return False
@@ -389,18 +403,21 @@ async def measure(router: Router, fleet: Fleet, run) -> dict:
     """Counters and router CPU before; the load; counters and CPU after."""
     await asyncio.sleep(0.5)
     c0, cpu0, la0 = await fleet.counters(), router.cpu_seconds(), os.getloadavg()[0]
+    box0 = box_cpu(Path("/proc/stat").read_text())
     results, wall = await run()
     cpu1 = router.cpu_seconds()
+    box1 = box_cpu(Path("/proc/stat").read_text())
     await asyncio.sleep(1.0)  # the engines' last metrics
     c1 = await fleet.counters()
     s = summarize(results, wall)
     dh, dq = c1["hits"] - c0["hits"], c1["queries"] - c0["queries"]
     s.update(cost_row(s, cpu1 - cpu0))
     s.update({"hit_rate": round(dh / dq, 4) if dq else None, "cache_hit_tokens": dh, "cache_query_tokens": dq,
-              "loadavg_start": round(la0, 2), "loadavg_end": round(os.getloadavg()[0], 2)})
+              "loadavg_start": round(la0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
+              "box_cpu_busy": busy_share(box0, box1)})
     print(f"  {router.label}: ok {s['ok']}/{s['requests']} TTFT p50/p90 {s['ttft_ms']['p50']}/{s['ttft_ms']['p90']} ms, "
           f"{s['output_tok_per_s']} tok/s, hit {s['hit_rate']}, CPU {s['cpu_s']} s ({s['cpu_ms_per_request']} ms/req, "
-          f"{s['cpu_s_per_1k_tokens']} s/1k tok), {s['tokens_per_chunk']} tok/chunk, wall {s['wall_s']} s", flush=True)
+          f"{s['cpu_s_per_1k_tokens']} s/1k tok), {s['tokens_per_chunk']} tok/chunk, wall {s['wall_s']} s, box busy {s['box_cpu_busy']}", flush=True)
     return s
 
 
@@ -449,21 +466,24 @@ async def amain(args) -> dict:
 
     if "stream" not in args.skip:
         levels = [int(x) for x in args.concurrency.split(",")]
-        sec = {"isl": args.stream_isl, "osl": args.stream_osl, "speedup": args.stream_speedup, "rounds": args.rounds,
-               "levels": {}}
-        async with Fleet(args, args.stream_speedup, tmp, "stream") as fleet:
-            for conc in levels:
-                n = conc * args.rounds
-                bodies = [chat_body(words.text(args.stream_isl, conc * 100000 + i), args.stream_osl) for i in range(n)]
-                runs = {}
-                print(f"[stream c{conc}] {n} requests", flush=True)
-                for label in keep(args.stream_routers):
+        speedups = [float(x) for x in args.stream_speedup.split(",")]
+        speedups += speedups[-1:] * (len(levels) - len(speedups))
+        sec = {"isl": args.stream_isl, "osl": args.stream_osl, "rounds": args.rounds, "levels": {}}
+        for conc, speedup in zip(levels, speedups):
+            n = conc * args.rounds
+            runs = {}
+            print(f"[stream c{conc}] {n} requests, engines at speed-up {speedup:g}", flush=True)
+            async with Fleet(args, speedup, tmp, f"stream-{conc}") as fleet:
+                for k, label in enumerate(keep(args.stream_routers)):
+                    # distinct prompts per router: the fleet is shared, so no router reads another's cached prompts
+                    bodies = [chat_body(words.text(args.stream_isl, (k * 1000 + conc) * 100000 + i), args.stream_osl)
+                              for i in range(n)]
                     async with Router(label, args, fleet, tmp) as router:
                         await warm(router)
                         runs[label] = await measure(router, fleet, lambda: closed_loop(router.url, bodies, conc))
-                sec["levels"][str(conc)] = {"requests": n, "runs": runs,
-                                            "ratios": {m: ratios(runs, m, [p for p in runs if not p.startswith("kvyard")])
-                                                       for m in runs if m.startswith("kvyard")}}
+            sec["levels"][str(conc)] = {"requests": n, "speedup": speedup, "runs": runs,
+                                        "ratios": {m: ratios(runs, m, [p for p in runs if not p.startswith("kvyard")])
+                                                   for m in runs if m.startswith("kvyard")}}
         out["workloads"]["stream"] = sec
     out["loadavg_end"] = round(os.getloadavg()[0], 2)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -517,7 +537,7 @@ def write_report(out: dict, name: str) -> None:
         s = wl["stream"]
         for conc, lv in s["levels"].items():
             md += [f"## Stream: {s['isl']}-token prompts, {s['osl']} output tokens, concurrency {conc}, {lv['requests']} "
-                   f"requests, engines at speed-up {s['speedup']:g}", ""]
+                   f"requests, engines at speed-up {lv['speedup']:g}", ""]
             md += table(lv["runs"]) + [""] + ratio_table(lv["ratios"]) + [""]
     (RESULTS / f"{name}.md").write_text("\n".join(md))
     print("\n".join(md))
@@ -578,7 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=2, help="stream: requests = concurrency × rounds")
     ap.add_argument("--stream-isl", type=int, default=64)
     ap.add_argument("--stream-osl", type=int, default=512)
-    ap.add_argument("--stream-speedup", type=float, default=0.2)
+    ap.add_argument("--stream-speedup", default="0.2,0.1",
+                    help="engine speed-up per concurrency level (a fresh fleet per level; the last repeats)")
     ap.add_argument("--stream-routers", default=DEFAULT_STREAM_ROUTERS)
     ap.add_argument("--skip", default="", help="comma list of: trace, stream")
     ap.add_argument("--out", default="routers_compare")
