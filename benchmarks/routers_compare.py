@@ -26,7 +26,7 @@ streaming reader, in this process, for every router):
           prefixes the trace says they share, in text (what the SGLang gateway's cache_aware tree sees) and in
           tokens (what the engines' prefix caches and kvyard's index see). max_tokens = output_length × --osl-scale.
   stream  64-token prompts (distinct per request), 512 output tokens, closed loop at each --concurrency
-          (requests = concurrency × --rounds), engines paced at --stream-speedup so the box is not saturated; the
+          (--stream-requests per level), engines paced at --stream-speedup so the box is not saturated; the
           sim sends one token per chunk, and the report shows the tokens per chunk each router delivered.
 
 Per router and workload: TTFT p50/p90 (wall ms), output tokens/s (wall), the fleet's prompt-cache hit rate
@@ -468,9 +468,10 @@ async def amain(args) -> dict:
         levels = [int(x) for x in args.concurrency.split(",")]
         speedups = [float(x) for x in args.stream_speedup.split(",")]
         speedups += speedups[-1:] * (len(levels) - len(speedups))
-        sec = {"isl": args.stream_isl, "osl": args.stream_osl, "rounds": args.rounds, "levels": {}}
-        for conc, speedup in zip(levels, speedups):
-            n = conc * args.rounds
+        counts = [int(x) for x in args.stream_requests.split(",")] if args.stream_requests else [2 * c for c in levels]
+        counts += counts[-1:] * (len(levels) - len(counts))
+        sec = {"isl": args.stream_isl, "osl": args.stream_osl, "levels": {}}
+        for conc, speedup, n in zip(levels, speedups, counts):
             runs = {}
             print(f"[stream c{conc}] {n} requests, engines at speed-up {speedup:g}", flush=True)
             async with Fleet(args, speedup, tmp, f"stream-{conc}") as fleet:
@@ -581,7 +582,7 @@ def plot(out: dict, name: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 40 trace requests, concurrency 16, 1 round, fewer routers")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 engines, 40 trace requests, 16 streams at concurrency 16, 4 routers")
     ap.add_argument("--baseline", default=None, help="another kvyard checkout, run as kvyard-baseline-*")
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--num-gpu-blocks", type=int, default=16384, help="KV blocks per engine")
@@ -595,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-speedup", type=float, default=1.0)
     ap.add_argument("--trace-routers", default=DEFAULT_TRACE_ROUTERS)
     ap.add_argument("--concurrency", default="64,256")
-    ap.add_argument("--rounds", type=int, default=2, help="stream: requests = concurrency × rounds")
+    ap.add_argument("--stream-requests", default="128,256",
+                    help="requests per concurrency level (the last repeats; empty: 2 × concurrency)")
     ap.add_argument("--stream-isl", type=int, default=64)
     ap.add_argument("--stream-osl", type=int, default=512)
     ap.add_argument("--stream-speedup", default="0.2,0.1",
@@ -611,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command = "benchmarks/routers_compare.py " + " ".join(argv)
     if args.quick:
-        args.trace_requests, args.concurrency, args.rounds, args.engines = 40, "16", 1, 4
+        args.trace_requests, args.concurrency, args.stream_requests, args.engines = 40, "16", "16", 4
         args.trace_routers = "kvyard-kv,kvyard-baseline-kv,vllm-router-ca,sglang-ca"
         args.stream_routers = "kvyard-kv,kvyard-baseline-kv,vllm-router-rr,sglang-ca"
         if args.out == "routers_compare":
