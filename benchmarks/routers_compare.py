@@ -20,8 +20,11 @@ caches); for the streaming workload one fleet serves every router (64-token prom
 
 Workloads (all /v1/chat/completions, streamed, `ignore_eos`, usage chunk; the client is benchmarks/loadgen.py's
 streaming reader, in this process, for every router):
-  trace   the first --trace-requests rows of benchmarks/data/mooncake_conversation_trace.jsonl, open loop on the
-          trace's timestamps / --compression (wall clock), engines at --trace-speedup. Each 512-token hash id
+  trace   benchmarks/data/mooncake_conversation_trace.jsonl: of its first --trace-window (1,000) rows, the ones that
+          share at least --min-shared-blocks (2) leading 512-token blocks with another (the multi-turn conversations:
+          378 rows, 47% of their blocks a prefix seen before), at most --trace-requests; open loop on the trace's
+          timestamps / --compression (wall clock), engines at --trace-speedup. (The first 300 rows alone reuse only
+          8% of their blocks: the turns of a conversation are minutes apart.) Each 512-token hash id
           becomes 512 words that are one cl100k token each (a seeded draw per id), so prompts share exactly the
           prefixes the trace says they share, in text (what the SGLang gateway's cache_aware tree sees) and in
           tokens (what the engines' prefix caches and kvyard's index see). max_tokens = output_length × --osl-scale.
@@ -203,13 +206,35 @@ class Words:
         return "".join(self.words[np.random.default_rng([9, seed]).integers(0, len(self.words), n)])
 
 
-def trace_workload(words: Words, n: int, compression: float, osl_scale: float, path: Path = TRACE) -> list[dict]:
+def multi_turn_rows(rows: list[dict], min_shared: int) -> list[dict]:
+    """The rows that share at least `min_shared` leading hash ids with another row of `rows` (a later turn of the
+    same conversation, or the earlier one it extends), in trace order. Rows that share only a common first block
+    (a system prompt) or nothing are dropped."""
+    owner: dict[tuple, int] = {}
+    linked: set[int] = set()
+    for i, r in enumerate(rows):
+        h = r["hash_ids"]
+        for n in range(len(h), min_shared - 1, -1):
+            j = owner.get(tuple(h[:n]))
+            if j is not None:
+                linked.update((i, j))
+                break
+        for n in range(min_shared, len(h) + 1):
+            owner.setdefault(tuple(h[:n]), i)
+    return [rows[i] for i in sorted(linked)]
+
+
+def trace_workload(words: Words, n: int, compression: float, osl_scale: float, window: int = 0, min_shared: int = 2,
+                   path: Path = TRACE) -> list[dict]:
+    """The first n rows of the trace or, with a window, the first n of multi_turn_rows(first `window` rows)."""
     rows = []
     with path.open() as f:
         for line in f:
             rows.append(json.loads(line))
-            if len(rows) >= n:
+            if len(rows) >= (window or n):
                 break
+    if window:
+        rows = multi_turn_rows(rows, min_shared)[:n]
     t0 = rows[0]["timestamp"]
     blocks: dict[int, list[str]] = {}
     out = []
@@ -449,9 +474,11 @@ async def amain(args) -> dict:
     keep = lambda names: [r for r in names.split(",") if r and ("baseline" not in r or args.baseline)]  # noqa: E731
 
     if "trace" not in args.skip:
-        wl = trace_workload(words, args.trace_requests, args.compression, args.osl_scale)
+        wl = trace_workload(words, args.trace_requests, args.compression, args.osl_scale, args.trace_window,
+                            args.min_shared_blocks)
         isl = [w["text"].count(" ") for w in wl]
-        sec = {"requests": len(wl), "compression": args.compression, "speedup": args.trace_speedup,
+        sec = {"requests": len(wl), "window": args.trace_window, "min_shared_blocks": args.min_shared_blocks,
+               "compression": args.compression, "speedup": args.trace_speedup,
                "osl_scale": args.osl_scale, "isl_mean": round(float(np.mean(isl))), "isl_max": int(max(isl)),
                "span_s": round(wl[-1]["t"], 1), "runs": {}}
         print(f"[trace] {len(wl)} requests over {sec['span_s']} s, ISL mean {sec['isl_mean']}", flush=True)
@@ -530,7 +557,9 @@ def write_report(out: dict, name: str) -> None:
     wl = out["workloads"]
     if "trace" in wl:
         t = wl["trace"]
-        md += [f"## Trace: first {t['requests']} Mooncake conversation requests (ISL mean {t['isl_mean']:,}, max "
+        sl = (f"the {t['requests']} multi-turn rows (≥ {t['min_shared_blocks']} leading 512-token blocks shared with another "
+              f"row) of the first {t['window']:,}" if t.get("window") else f"the first {t['requests']}")
+        md += [f"## Trace: {sl} Mooncake conversation requests (ISL mean {t['isl_mean']:,}, max "
                f"{t['isl_max']:,} tokens; shared prefixes), {t['span_s']} s open loop (trace time / {t['compression']:g}), "
                f"engines at speed-up {t['speedup']:g}, OSL × {t['osl_scale']:g}", ""]
         md += table(t["runs"]) + [""] + ratio_table(t["ratios"]) + [""]
@@ -590,8 +619,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--base-port", type=int, default=19700, help="engines listen from here")
     ap.add_argument("--router-port", type=int, default=19690, help="the router under test (+1: its Prometheus port)")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    ap.add_argument("--trace-requests", type=int, default=300)
-    ap.add_argument("--compression", type=float, default=3.0, help="trace time / wall time")
+    ap.add_argument("--trace-requests", type=int, default=400, help="at most this many trace rows")
+    ap.add_argument("--trace-window", type=int, default=1000,
+                    help="take the multi-turn rows of the trace's first N rows (0: the first --trace-requests rows)")
+    ap.add_argument("--min-shared-blocks", type=int, default=2, help="multi-turn: leading 512-token blocks shared")
+    ap.add_argument("--compression", type=float, default=8.0, help="trace time / wall time")
     ap.add_argument("--osl-scale", type=float, default=0.25)
     ap.add_argument("--trace-speedup", type=float, default=1.0)
     ap.add_argument("--trace-routers", default=DEFAULT_TRACE_ROUTERS)
@@ -606,6 +638,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip", default="", help="comma list of: trace, stream")
     ap.add_argument("--out", default="routers_compare")
     return ap
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -624,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     for venv, exe in ((".venv-vllm-router", "vllm-router"), (".venv-sglang-router", "smg")):
         if not (ROOT / venv / "bin" / exe).exists():
             raise SystemExit(f"{ROOT / venv} missing: run scripts/install_routers.sh")
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run through the same clean-up as Ctrl-C
     out = asyncio.run(amain(args))
     write_report(out, args.out)
     plot(out, args.out)

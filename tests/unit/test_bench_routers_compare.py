@@ -95,3 +95,15 @@ def test_words_are_one_token_each():
     text = "".join(w.block(3)) + "".join(w.block(4)[:100]) + w.text(64, 1)
     assert len(tok.encode(text, add_special_tokens=False).ids) == 512 + 100 + 64
     assert w.block(3) == w.block(3) and w.block(3) != w.block(4)
+
+
+def test_multi_turn_rows_keep_conversations_not_a_shared_system_block():
+    from benchmarks.routers_compare import multi_turn_rows
+
+    rows = [{"hash_ids": [0, 1, 2]},        # turn 1 of conversation A
+            {"hash_ids": [0, 5]},           # shares only block 0 (a system prompt): dropped
+            {"hash_ids": [0, 1, 2, 3, 4]},  # turn 2 of A
+            {"hash_ids": [7, 8]},           # alone
+            {"hash_ids": [0, 1, 9]}]        # shares 2 leading blocks with A
+    assert multi_turn_rows(rows, 2) == [rows[0], rows[2], rows[4]]
+    assert multi_turn_rows(rows, 3) == [rows[0], rows[2]]
