@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 import uuid
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -118,6 +119,14 @@ def tree_cpu_seconds(pid: int, proc: Path = Path("/proc"), ticks: int = TICKS) -
         total += s["utime"] + s["stime"] + s["cutime"] + s["cstime"]
         todo.extend(children.get(p, []))
     return total / ticks
+
+
+def cpu_in_window(samples: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """CPU-seconds spent between t0 and t1 from (time, cumulative CPU-seconds) samples, linearly interpolated
+    (clamped to the first and last sample)."""
+    ts = [t for t, _ in samples]
+    cs = [c for _, c in samples]
+    return float(np.interp(t1, ts, cs) - np.interp(t0, ts, cs))
 
 
 def box_cpu(text: str) -> tuple[int, int]:
@@ -287,6 +296,80 @@ async def closed_loop(url: str, bodies: list[dict], concurrency: int) -> tuple[l
         return results, time.perf_counter() - t0
 
 
+async def loadgen_run(load) -> dict:
+    t0 = time.time()
+    results, wall = await load
+    return summarize(results, wall) | {"window": (t0, time.time())}
+
+
+def aiperf_summary(export: dict) -> dict:
+    """aiperf's profile_export_aiperf.json as the same summary `summarize` gives (wall ms, tokens/s)."""
+    def q(name: str) -> dict:
+        m = export.get(name) or {}
+        return {k: (round(m[k], 3) if m.get(k) is not None else None) for k in ("p50", "p90", "p99")} | \
+               {"mean": round(m["avg"], 3) if m.get("avg") is not None else None}
+
+    ok = int((export.get("request_count") or {}).get("avg") or 0)
+    errors = int((export.get("error_request_count") or {}).get("avg") or 0)
+    tokens = int((export.get("total_output_tokens") or {}).get("avg") or 0)
+    gaps = int((export.get("inter_chunk_latency") or {}).get("count") or 0)
+    wall = float((export.get("benchmark_duration") or {}).get("avg") or 0.0)
+    return {"requests": ok + errors, "ok": ok, "errors": errors,
+            "error_samples": [str(e)[:200] for e in (export.get("error_summary") or [])[:3]],
+            "wall_s": round(wall, 2), "output_tokens": tokens,
+            "prompt_tokens": int((export.get("total_isl") or {}).get("avg") or 0),
+            "ttft_ms": q("time_to_first_token"), "itl_ms": q("inter_chunk_latency"),
+            "output_tok_per_s": round((export.get("output_token_throughput") or {}).get("avg") or 0.0, 1),
+            "tokens_per_chunk": round(tokens / (gaps + ok), 3) if gaps + ok else None}
+
+
+def aiperf_trace(n: int, compression: float, osl_scale: float, window: int, min_shared: int, path: Path = TRACE) -> str:
+    """The trace slice as a Mooncake jsonl for aiperf: timestamps from 0 in ms / compression, outputs scaled."""
+    rows = []
+    with path.open() as f:
+        for line in f:
+            rows.append(json.loads(line))
+            if len(rows) >= (window or n):
+                break
+    rows = (multi_turn_rows(rows, min_shared) if window else rows)[:n]
+    t0 = rows[0]["timestamp"]
+    return "".join(json.dumps({"timestamp": int((r["timestamp"] - t0) / compression), "input_length": r["input_length"],
+                               "output_length": max(1, math.ceil(r["output_length"] * osl_scale)),
+                               "hash_ids": r["hash_ids"]}) + "\n" for r in rows)
+
+
+def aiperf_home(tmp: Path) -> Path:
+    """The sim's tokenizer laid out as a Hugging Face cache entry `local/cl100k` (aiperf resolves a tokenizer
+    through the hub API even offline; a plain folder path fails with HF_HUB_OFFLINE=1)."""
+    home = tmp / "hf"
+    snap = home / "hub" / "models--local--cl100k" / "snapshots" / ("0" * 40)
+    if not snap.is_dir():
+        snap.mkdir(parents=True)
+        (home / "hub" / "models--local--cl100k" / "refs").mkdir()
+        (home / "hub" / "models--local--cl100k" / "refs" / "main").write_text("0" * 40)
+        for f in SIM_TOKENIZER.iterdir():
+            shutil.copy(f, snap / f.name)
+    return home
+
+
+async def aiperf_run(url: str, tmp: Path, tag: str, load_args: list[str]) -> dict:
+    """One `aiperf profile` (streaming chat, server token counts, ignore_eos) against url; its summary."""
+    art = tmp / f"aiperf-{tag}-{uuid.uuid4().hex[:4]}"
+    env = {**os.environ, "HF_HOME": str(aiperf_home(tmp)), "HF_HUB_OFFLINE": "1"}
+    cmd = [str(ROOT / ".venv-aiperf" / "bin" / "aiperf"), "profile", "--model", MODEL, "--url", url, "--endpoint-type",
+           "chat", "--streaming", "--tokenizer", "local/cl100k", "--use-server-token-count", "--extra-inputs",
+           "ignore_eos:true", "--ui", "none", "--artifact-dir", str(art), *load_args]
+    with open(tmp / f"aiperf-{tag}.log", "wb") as log:
+        proc = await asyncio.create_subprocess_exec(*cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
+        rc = await proc.wait()
+    export = art / "profile_export_aiperf.json"
+    if rc != 0 or not export.exists():
+        raise RuntimeError(f"aiperf failed (rc {rc}); log {tmp / f'aiperf-{tag}.log'}")
+    data = json.loads(export.read_text())
+    window = tuple(datetime.fromisoformat(data[k]).timestamp() for k in ("start_time", "end_time"))  # local time
+    return aiperf_summary(data) | {"window": window}
+
+
 # ---------------------------------------------------------------- engines
 
 class Fleet:
@@ -425,16 +508,30 @@ class Router:
 
 
 async def measure(router: Router, fleet: Fleet, run) -> dict:
-    """Counters and router CPU before; the load; counters and CPU after."""
+    """Counters before; the load, with the router's CPU sampled every 0.2 s throughout; counters after. The router's
+    CPU is counted over the load's own window (the client's first send to its last answer: for aiperf, its
+    start_time..end_time, so aiperf's start-up and shut-down are left out)."""
     await asyncio.sleep(0.5)
-    c0, cpu0, la0 = await fleet.counters(), router.cpu_seconds(), os.getloadavg()[0]
+    c0, la0 = await fleet.counters(), os.getloadavg()[0]
+    samples: list[tuple[float, float]] = []
+
+    async def sample() -> None:
+        while True:
+            samples.append((time.time(), router.cpu_seconds()))
+            await asyncio.sleep(0.2)
+
+    sampler = asyncio.create_task(sample())
     box0 = box_cpu(Path("/proc/stat").read_text())
-    results, wall = await run()
-    cpu1 = router.cpu_seconds()
+    try:
+        s = await run()
+    finally:
+        samples.append((time.time(), router.cpu_seconds()))
+        sampler.cancel()
     box1 = box_cpu(Path("/proc/stat").read_text())
+    t0, t1 = s.pop("window")
+    cpu0, cpu1 = 0.0, cpu_in_window(samples, t0, t1)
     await asyncio.sleep(1.0)  # the engines' last metrics
     c1 = await fleet.counters()
-    s = summarize(results, wall)
     dh, dq = c1["hits"] - c0["hits"], c1["queries"] - c0["queries"]
     s.update(cost_row(s, cpu1 - cpu0))
     s.update({"hit_rate": round(dh / dq, 4) if dq else None, "cache_hit_tokens": dh, "cache_query_tokens": dq,
@@ -468,7 +565,8 @@ async def amain(args) -> dict:
     words = Words()
     out: dict = {"benchmark": "routers_compare", "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "machine": f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}", "command": args.command,
-                 "client": "benchmarks/loadgen.py streaming reader (httpx), in the benchmark process",
+                 "client": ("aiperf 0.13.0 (--use-server-token-count), one process per run" if args.client == "aiperf"
+                            else "benchmarks/loadgen.py streaming reader (httpx), in the benchmark process"),
                  "engines": args.engines, "num_gpu_blocks": args.num_gpu_blocks, "baseline": args.baseline,
                  "versions": {"vllm-router": "0.1.17", "sglang-router": "0.3.2"}, "workloads": {}}
     keep = lambda names: [r for r in names.split(",") if r and ("baseline" not in r or args.baseline)]  # noqa: E731
@@ -482,11 +580,19 @@ async def amain(args) -> dict:
                "osl_scale": args.osl_scale, "isl_mean": round(float(np.mean(isl))), "isl_max": int(max(isl)),
                "span_s": round(wl[-1]["t"], 1), "runs": {}}
         print(f"[trace] {len(wl)} requests over {sec['span_s']} s, ISL mean {sec['isl_mean']}", flush=True)
+        trace_file = tmp / "trace.jsonl"  # the same slice for aiperf: its own prompts from the hash ids, on this schedule
+        trace_file.write_text(aiperf_trace(args.trace_requests, args.compression, args.osl_scale, args.trace_window,
+                                           args.min_shared_blocks))
         for label in keep(args.trace_routers):
             async with Fleet(args, args.trace_speedup, tmp, f"trace-{label}") as fleet:
                 async with Router(label, args, fleet, tmp) as router:
                     await warm(router)
-                    sec["runs"][label] = await measure(router, fleet, lambda: open_loop(router.url, wl))
+                    if args.client == "aiperf":
+                        run = lambda: aiperf_run(router.url, tmp, label, ["--custom-dataset-type", "mooncake_trace",  # noqa: E731
+                                                                         "--input-file", str(trace_file)])
+                    else:
+                        run = lambda: loadgen_run(open_loop(router.url, wl))  # noqa: E731
+                    sec["runs"][label] = await measure(router, fleet, run)
         sec["ratios"] = {m: ratios(sec["runs"], m, [p for p in sec["runs"] if not p.startswith("kvyard")])
                          for m in sec["runs"] if m.startswith("kvyard")}
         out["workloads"]["trace"] = sec
@@ -508,7 +614,14 @@ async def amain(args) -> dict:
                               for i in range(n)]
                     async with Router(label, args, fleet, tmp) as router:
                         await warm(router)
-                        runs[label] = await measure(router, fleet, lambda: closed_loop(router.url, bodies, conc))
+                        if args.client == "aiperf":
+                            run = lambda: aiperf_run(router.url, tmp, f"{label}-c{conc}", [  # noqa: E731
+                                "--isl", str(args.stream_isl), "--isl-stddev", "0", "--osl", str(args.stream_osl),
+                                "--osl-stddev", "0", "--concurrency", str(conc), "--request-count", str(n),
+                                "--random-seed", str(k * 1000 + conc)])
+                        else:
+                            run = lambda: loadgen_run(closed_loop(router.url, bodies, conc))  # noqa: E731
+                        runs[label] = await measure(router, fleet, run)
             sec["levels"][str(conc)] = {"requests": n, "speedup": speedup, "runs": runs,
                                         "ratios": {m: ratios(runs, m, [p for p in runs if not p.startswith("kvyard")])
                                                    for m in runs if m.startswith("kvyard")}}
@@ -636,6 +749,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine speed-up per concurrency level (a fresh fleet per level; the last repeats)")
     ap.add_argument("--stream-routers", default=DEFAULT_STREAM_ROUTERS)
     ap.add_argument("--skip", default="", help="comma list of: trace, stream")
+    ap.add_argument("--client", choices=["aiperf", "loadgen"], default="aiperf",
+                    help="aiperf 0.13.0 (.venv-aiperf; its own prompts from the same trace rows / ISL, OSL) or "
+                         "benchmarks/loadgen.py's reader in this process")
     ap.add_argument("--out", default="routers_compare")
     return ap
 
@@ -657,7 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         args.baseline = str(Path(args.baseline).resolve())
         check_baseline(Path(args.baseline))
-    for venv, exe in ((".venv-vllm-router", "vllm-router"), (".venv-sglang-router", "smg")):
+    need = [(".venv-vllm-router", "vllm-router"), (".venv-sglang-router", "smg")]
+    for venv, exe in need + ([(".venv-aiperf", "aiperf")] if args.client == "aiperf" else []):
         if not (ROOT / venv / "bin" / exe).exists():
             raise SystemExit(f"{ROOT / venv} missing: run scripts/install_routers.sh")
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the run through the same clean-up as Ctrl-C

@@ -107,3 +107,39 @@ def test_multi_turn_rows_keep_conversations_not_a_shared_system_block():
             {"hash_ids": [0, 1, 9]}]        # shares 2 leading blocks with A
     assert multi_turn_rows(rows, 2) == [rows[0], rows[2], rows[4]]
     assert multi_turn_rows(rows, 3) == [rows[0], rows[2]]
+
+
+def test_aiperf_summary_reads_the_export():
+    from benchmarks.routers_compare import aiperf_summary
+
+    export = {"request_count": {"avg": 16.0}, "total_output_tokens": {"avg": 512.0}, "total_isl": {"avg": 1024.0},
+              "benchmark_duration": {"avg": 0.8}, "output_token_throughput": {"avg": 640.04},
+              "time_to_first_token": {"avg": 37.8, "p50": 39.27, "p90": 51.68, "p99": 52.86},
+              "inter_chunk_latency": {"avg": 4.5, "p50": 4.38, "p90": 5.1, "p99": 13.9, "count": 496}}
+    s = aiperf_summary(export)
+    assert (s["requests"], s["ok"], s["errors"], s["output_tokens"], s["prompt_tokens"]) == (16, 16, 0, 512, 1024)
+    assert s["ttft_ms"] == {"p50": 39.27, "p90": 51.68, "p99": 52.86, "mean": 37.8}
+    assert s["tokens_per_chunk"] == 1.0 and s["output_tok_per_s"] == 640.0 and s["wall_s"] == 0.8
+
+
+def test_aiperf_trace_rebases_and_compresses(tmp_path):
+    import json
+
+    from benchmarks.routers_compare import aiperf_trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"timestamp": 1000, "input_length": 600, "output_length": 10, "hash_ids": [1, 2]},
+        {"timestamp": 9000, "input_length": 1100, "output_length": 3, "hash_ids": [1, 2, 3]}]))
+    rows = [json.loads(x) for x in aiperf_trace(5, 4.0, 0.25, 0, 2, path=trace).splitlines()]
+    assert [(r["timestamp"], r["output_length"]) for r in rows] == [(0, 3), (2000, 1)]
+    assert rows[1]["hash_ids"] == [1, 2, 3]
+
+
+def test_cpu_in_window_interpolates_between_samples():
+    from benchmarks.routers_compare import cpu_in_window
+
+    samples = [(0.0, 10.0), (1.0, 10.0), (2.0, 12.0), (3.0, 13.0)]
+    assert cpu_in_window(samples, 1.0, 3.0) == pytest.approx(3.0)
+    assert cpu_in_window(samples, 1.5, 2.5) == pytest.approx(1.5)
+    assert cpu_in_window(samples, -5.0, 9.0) == pytest.approx(3.0)  # clamped to the samples
