@@ -2,9 +2,10 @@
 engines, with the same load from the same client, each router in turn, in one run.
 
     scripts/install_routers.sh          # once: vllm-router 0.1.17, sglang-router 0.3.2 (and aiperf 0.13.0), own venvs
-    PYTHONPATH=. .venv/bin/python benchmarks/routers_compare.py [--quick] [--baseline PATH] [--routers ...]
+    PYTHONPATH=. .venv/bin/python benchmarks/routers_compare.py [--quick] [--baseline PATH] [--client aiperf|loadgen]
+        [--trace-routers LABELS] [--stream-routers LABELS]
 
-Routers (labels; `--routers` picks, per workload defaults below):
+Routers (labels; --trace-routers and --stream-routers pick them, comma-separated):
   kvyard-kv, kvyard-rr           `python -m orchestrator frontend --policy kv|round-robin` from this checkout; the
                                  engines are registered in Redis (127.0.0.1:6379) with their KV-event sockets.
   kvyard-baseline-kv, -rr        the same from another checkout (`--baseline PATH`, e.g. `git archive REV | tar -x`
@@ -16,26 +17,31 @@ Every router gets the engines' HTTP URLs; only kvyard also reads their KV events
 
 Engines: --engines sim engines (`python -m workers.sim`, H200 Llama-3.1-8B-FP8 profile, 16-token blocks) from this
 checkout, the same command for every router. For the trace workload each router gets a fresh fleet (empty prefix
-caches); for the streaming workload one fleet serves every router (64-token prompts: caches do not matter).
+caches); for the streaming workload one fleet per concurrency level serves every router in turn (distinct prompts).
 
-Workloads (all /v1/chat/completions, streamed, `ignore_eos`, usage chunk; the client is benchmarks/loadgen.py's
-streaming reader, in this process, for every router):
+Client (the same for every router): aiperf 0.13.0 (`--client aiperf`, the default; .venv-aiperf, offline: the sim's
+tokenizer laid out as the hub cache entry `local/cl100k`; `--use-server-token-count`), one `aiperf profile` per run;
+or `--client loadgen`, benchmarks/loadgen.py's streaming reader in this process.
+Workloads (all /v1/chat/completions, streamed, `ignore_eos`, usage chunk):
   trace   benchmarks/data/mooncake_conversation_trace.jsonl: of its first --trace-window (1,000) rows, the ones that
           share at least --min-shared-blocks (2) leading 512-token blocks with another (the multi-turn conversations:
           378 rows, 47% of their blocks a prefix seen before), at most --trace-requests; open loop on the trace's
           timestamps / --compression (wall clock), engines at --trace-speedup. (The first 300 rows alone reuse only
           8% of their blocks: the turns of a conversation are minutes apart.) Each 512-token hash id
-          becomes 512 words that are one cl100k token each (a seeded draw per id), so prompts share exactly the
-          prefixes the trace says they share, in text (what the SGLang gateway's cache_aware tree sees) and in
-          tokens (what the engines' prefix caches and kvyard's index see). max_tokens = output_length × --osl-scale.
-  stream  64-token prompts (distinct per request), 512 output tokens, closed loop at each --concurrency
+          becomes 512 tokens of text, so prompts share exactly the prefixes the trace says they share, in text (what
+          the SGLang gateway's cache_aware tree sees) and in tokens (what the engines' prefix caches and kvyard's
+          index see): aiperf synthesizes that text itself from the rows (timestamps rebased and divided by
+          --compression); loadgen uses 512 words that are one cl100k token each (a seeded draw per id).
+          max_tokens = output_length × --osl-scale.
+  stream  64-token prompts (distinct per request and per router), 512 output tokens, closed loop at each --concurrency
           (--stream-requests per level), engines paced at --stream-speedup so the box is not saturated; the
           sim sends one token per chunk, and the report shows the tokens per chunk each router delivered.
 
 Per router and workload: TTFT p50/p90 (wall ms), output tokens/s (wall), the fleet's prompt-cache hit rate
 (Δ vllm:prefix_cache_hits_total / Δ vllm:prefix_cache_queries_total over the engines), and the router process's
 CPU-seconds over the load: utime+stime of the process (all its threads) and of every live descendant, plus the
-cutime+cstime of children already reaped, from /proc, read before and after. Then per request and per 1,000 output
+cutime+cstime of children already reaped, from /proc, sampled every 0.2 s and interpolated at the load's start and
+end (aiperf's start_time/end_time: its own start-up is left out). Then per request and per 1,000 output
 tokens, and kvyard/peer ratios.
 
 Writes benchmarks/results/routers_compare.{json,md,png} (--out renames).
@@ -766,8 +772,8 @@ def main(argv: list[str] | None = None) -> int:
     args.command = "benchmarks/routers_compare.py " + " ".join(argv)
     if args.quick:
         args.trace_requests, args.concurrency, args.stream_requests, args.engines = 40, "16", "16", 4
-        args.trace_routers = "kvyard-kv,kvyard-baseline-kv,vllm-router-ca,sglang-ca"
-        args.stream_routers = "kvyard-kv,kvyard-baseline-kv,vllm-router-rr,sglang-ca"
+        if args.trace_routers == DEFAULT_TRACE_ROUTERS:
+            args.trace_routers = "kvyard-kv,kvyard-baseline-kv,vllm-router-ca,sglang-ca"
         if args.out == "routers_compare":
             args.out = "routers_compare_quick"
     if args.baseline:
