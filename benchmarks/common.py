@@ -1,13 +1,17 @@
-"""Small pieces the feature benchmarks share: the `kvyard up` cluster flags and the header of a result file."""
+"""Small pieces the feature benchmarks share: the `kvyard up` cluster flags, the header of a result file, and
+stopping a process group the benchmark started."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
+import subprocess
 import sys
 import time
 
-__all__ = ["add_cluster_args", "result_header"]
+__all__ = ["add_cluster_args", "reap_group", "result_header"]
 
 
 def add_cluster_args(ap: argparse.ArgumentParser, *, workers: int, speedup: float, max_model_len: int, num_gpu_blocks: int,
@@ -27,3 +31,17 @@ def result_header(name: str) -> dict:
     """What every result file starts with: the benchmark, when, the machine, the load average at the start."""
     return {"benchmark": name, "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}", "loadavg": {"start": round(os.getloadavg()[0], 2)}}
+
+
+async def reap_group(p: subprocess.Popen, wait_s: float = 10.0) -> None:
+    """After a stop signal: wait up to `wait_s` for `p` (started with start_new_session) to exit, then SIGKILL its
+    process group (stray children, engines it spawned) and collect it."""
+    for _ in range(int(wait_s * 10)):
+        if p.poll() is not None:
+            break
+        await asyncio.sleep(0.1)
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(10)

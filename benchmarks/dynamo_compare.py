@@ -56,6 +56,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import reap_group  # noqa: E402
 from benchmarks.loadgen import percentiles  # noqa: E402
 from benchmarks.routing import (TRACE, Cluster, engine_counters, hit_bars, median_run, replay, shared_prefix_workload,  # noqa: E402
                                 trace_workload, ttft_cdf_axes, ttft_cdf_lines)
@@ -240,15 +241,7 @@ class DynamoCluster:
                 except ProcessLookupError:
                     pass
         for p in self.procs:
-            for _ in range(100):
-                if p.poll() is not None:
-                    break
-                await asyncio.sleep(0.1)
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(10)
+            await reap_group(p)
 
     async def counters(self, client: httpx.AsyncClient) -> dict:
         text = (await client.get(self.url + "/metrics")).text

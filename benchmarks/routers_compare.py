@@ -71,6 +71,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import reap_group  # noqa: E402
 from benchmarks.loadgen import RequestResult, _one, percentiles  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -239,8 +240,7 @@ def multi_turn_rows(rows: list[dict], min_shared: int) -> list[dict]:
     return [rows[i] for i in sorted(linked)]
 
 
-def trace_workload(words: Words, n: int, compression: float, osl_scale: float, window: int = 0, min_shared: int = 2,
-                   path: Path = TRACE) -> list[dict]:
+def trace_rows(n: int, window: int = 0, min_shared: int = 2, path: Path = TRACE) -> list[dict]:
     """The first n rows of the trace or, with a window, the first n of multi_turn_rows(first `window` rows)."""
     rows = []
     with path.open() as f:
@@ -248,8 +248,13 @@ def trace_workload(words: Words, n: int, compression: float, osl_scale: float, w
             rows.append(json.loads(line))
             if len(rows) >= (window or n):
                 break
-    if window:
-        rows = multi_turn_rows(rows, min_shared)[:n]
+    return multi_turn_rows(rows, min_shared)[:n] if window else rows[:n]
+
+
+def trace_workload(words: Words, n: int, compression: float, osl_scale: float, window: int = 0, min_shared: int = 2,
+                   path: Path = TRACE) -> list[dict]:
+    """The slice's rows (trace_rows) with their text: each hash id's block of words, cut to the row's input length."""
+    rows = trace_rows(n, window, min_shared, path)
     t0 = rows[0]["timestamp"]
     blocks: dict[int, list[str]] = {}
     out = []
@@ -330,14 +335,8 @@ def aiperf_summary(export: dict) -> dict:
 
 
 def aiperf_trace(n: int, compression: float, osl_scale: float, window: int, min_shared: int, path: Path = TRACE) -> str:
-    """The trace slice as a Mooncake jsonl for aiperf: timestamps from 0 in ms / compression, outputs scaled."""
-    rows = []
-    with path.open() as f:
-        for line in f:
-            rows.append(json.loads(line))
-            if len(rows) >= (window or n):
-                break
-    rows = (multi_turn_rows(rows, min_shared) if window else rows)[:n]
+    """The trace slice (trace_rows) as a Mooncake jsonl for aiperf: timestamps from 0 in ms / compression, outputs scaled."""
+    rows = trace_rows(n, window, min_shared, path)
     t0 = rows[0]["timestamp"]
     return "".join(json.dumps({"timestamp": int((r["timestamp"] - t0) / compression), "input_length": r["input_length"],
                                "output_length": max(1, math.ceil(r["output_length"] * osl_scale)),
@@ -497,15 +496,7 @@ class Router:
         p = self.proc
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGTERM)
-            for _ in range(100):
-                if p.poll() is not None:
-                    break
-                await asyncio.sleep(0.1)
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(10)
+            await reap_group(p)
         if self.disc is not None:
             for i in range(len(self.fleet.engines)):
                 await self.disc.deregister(f"sim-{i}")

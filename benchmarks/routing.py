@@ -60,6 +60,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import reap_group  # noqa: E402
 from benchmarks.loadgen import RequestResult, _one, percentiles  # noqa: E402
 from benchmarks.histdelta import hist_delta  # noqa: E402
 
@@ -396,15 +397,7 @@ class Cluster:
         if p is None or p.poll() is not None:
             return
         p.send_signal(signal.SIGTERM)
-        for _ in range(300):
-            if p.poll() is not None:
-                break
-            await asyncio.sleep(0.1)
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # the group of the process we started: stray engines, if any
-        except ProcessLookupError:
-            pass
-        p.wait(10)
+        await reap_group(p, 30.0)  # then the group of the process we started: stray engines, if any
 
 
 # ---------------------------------------------------------------- replay
