@@ -33,6 +33,12 @@ def whole(tok, text: str, add_special_tokens: bool = False) -> list[int]:
     ("abc\n", 1, []),              # no character after the newline: not a cut (it depends on what follows)
     ("a\u200b\nb", 1, []),         # a zero-width space is not "solid"
     ("", 4, []),
+    ("ab cd", 1, [2]),             # letter, space, letter: a cut before the space
+    ("ab  cd", 1, []),             # two spaces: never
+    ("a. cd", 1, []),              # punctuation before the space: never
+    ("ab 7d", 1, []),              # a digit after it: never
+    ("ab cd\nef gh", 1, [2, 6, 8]),  # whichever comes first: a space cut (before it), a newline cut (after it)
+    ("é 中", 1, [1]),              # letters are Unicode letters
 ])
 def test_exact_cuts(text, chunk, cuts):
     assert exact_cuts(text, chunk) == cuts
@@ -164,6 +170,7 @@ async def test_long_chat_prompts_through_the_preparer_are_exact(tok):
 def test_cuts_skip_refused_candidates_and_give_up_on_hostile_text():
     assert exact_cuts("a\u200b\nb" + "x\ny", 1) == [6]  # the format character's newline refused, the next one taken
     assert exact_cuts("\n" * 1_000_000, 16) == []  # one regex search, no per-newline Python loop
+    assert exact_cuts(". " * 1_000_000, 16) == []  # spaces between non-letters: refused, a bounded number looked at
     assert exact_cuts("a\u200b\nb" * 100 + "x\ny", 1) == []  # past _MAX_REJECTS refusals the rest stays one chunk
 
 
