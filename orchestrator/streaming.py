@@ -55,10 +55,7 @@ async def relay_sse(
 ) -> AsyncIterator[bytes]:
     buf = b""
     async for chunk in chunks:
-        if buf:
-            buf += chunk
-        else:
-            buf = chunk  # the usual case: the read ends where an event ends, nothing is carried over
+        buf += chunk  # onto an empty buf CPython hands back chunk itself: no copy in the usual case
         if b"\n\n" not in buf:
             continue
         *events, buf = buf.split(b"\n\n")

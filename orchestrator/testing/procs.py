@@ -17,13 +17,18 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
+from functools import cache
 from pathlib import Path
 
 import httpx
+from tokenizers import Tokenizer
 
+from orchestrator.config.cluster import WorkerConfig
 from orchestrator.testing.fake_engine import free_port, free_port_pair
+from workers.sim.backend import SIM_TOKENIZER_DIR
 
-__all__ = ["free_port", "RedisServer", "Child", "KvyardCluster", "rss_and_fds", "cpu_seconds", "descendants"]
+__all__ = ["free_port", "RedisServer", "Child", "KvyardCluster", "rss_and_fds", "cpu_seconds", "descendants", "full_blocks"]
 
 
 
@@ -249,3 +254,18 @@ class KvyardCluster:
             c.stop(5)
         for c in self.workers.values():
             c.stop(15)
+
+
+@cache
+def _sim_tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(SIM_TOKENIZER_DIR / "tokenizer.json"))
+
+
+def full_blocks(placed: Iterable[tuple[str, str]], block_size: int = WorkerConfig.model_fields["block_size"].default) -> dict[str, int]:
+    """worker -> the full blocks of the prompts placed on it, for (worker, prompt) pairs: what a frontend's index must
+    hold once the sim workers' KV events for those prompts have all arrived (the sim's tokenizer, `kvyard worker`'s
+    default block size). Equal indexes in two frontends are not enough: the first of several event batches makes them equal."""
+    tok, need = _sim_tokenizer(), {}
+    for worker, prompt in placed:
+        need[worker] = need.get(worker, 0) + len(tok.encode(prompt, add_special_tokens=False).ids) // block_size
+    return need

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tokenizers import Tokenizer
 
-from orchestrator.testing.procs import KvyardCluster, free_port
+from orchestrator.testing.procs import KvyardCluster, free_port, full_blocks
 from workers.sim.backend import SIM_TOKENIZER_DIR
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -38,8 +37,6 @@ MODEL = "simmodel"
 TOKENIZER = str(SIM_TOKENIZER_DIR)
 BACKENDS = ["sglang", "trtllm"]
 EVENT_FORMAT = {"sglang": "sglang", "trtllm": "vllm"}  # trtllm: what the worker's relay republishes
-BLOCK_SIZE = 16  # the workers' default (workers/types.py)
-TOKENIZE = Tokenizer.from_file(str(SIM_TOKENIZER_DIR / "tokenizer.json"))
 
 
 def sim_cmd(flavor: str, speedup: float = 20) -> str:
@@ -95,9 +92,7 @@ async def test_aggregated_serving_and_kv_routing_across_frontends(cluster: Kvyar
         # B indexes at least every full prompt block on the worker A placed it on: equal counts alone can be met by
         # the first of several event batches (a relay poll or a ZMQ batch late on a busy host), and then B would route
         # a follow-up with no overlap, at random.
-        need: dict[str, int] = {}
-        for i, worker in placed.items():
-            need[worker] = need.get(worker, 0) + len(TOKENIZE.encode(prompt(i, 0), add_special_tokens=False).ids) // BLOCK_SIZE
+        need = full_blocks((worker, prompt(i, 0)) for i, worker in placed.items())
         deadline = time.monotonic() + 30
         while True:
             ia, ib = await indexed(http, a), await indexed(http, b)

@@ -21,10 +21,7 @@ import uuid
 import httpx
 import pytest
 
-from tokenizers import Tokenizer
-
-from orchestrator.testing.procs import KvyardCluster
-from workers.sim.backend import SIM_TOKENIZER_DIR
+from orchestrator.testing.procs import KvyardCluster, full_blocks
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -32,8 +29,6 @@ MODEL = "simmodel"
 WORKERS = 3
 PREFIXES = 6
 REBUILD_S = 5.0  # a restarted frontend's index must match within this long of seeing the workers
-BLOCK_SIZE = 16  # the workers' default (workers/types.py)
-TOKENIZE = Tokenizer.from_file(str(SIM_TOKENIZER_DIR / "tokenizer.json"))
 
 
 @pytest.fixture
@@ -63,14 +58,6 @@ async def route(http: httpx.AsyncClient, url: str, i: int, q: int) -> str:
     return r.headers["x-kvyard-worker"]
 
 
-def full_blocks(holder: dict[int, str]) -> dict[str, int]:
-    """worker -> the full prompt blocks of the prefixes it holds (the sim's tokenizer, the workers' block size)."""
-    need: dict[str, int] = {}
-    for i, worker in holder.items():
-        need[worker] = need.get(worker, 0) + len(TOKENIZE.encode(prompt(i, 0), add_special_tokens=False).ids) // BLOCK_SIZE
-    return need
-
-
 async def converged(http: httpx.AsyncClient, a: str, b: str, timeout: float, need: dict[str, int]) -> tuple[dict[str, int], float]:
     """Wait until a and b index the same blocks per worker, at least `need` on each; returns it and the wait.
     Equal counts alone are met by the first of several event batches, before the others arrive."""
@@ -95,7 +82,7 @@ async def test_frontends_converge_and_a_restarted_one_rebuilds(cluster: KvyardCl
         # Traffic through A only; first sight of each prefix, concurrently so the load term spreads them.
         holder = dict(enumerate(await asyncio.gather(*(route(http, a, i, 0) for i in range(PREFIXES)))))
         assert len(set(holder.values())) >= 2, holder
-        need = full_blocks(holder)  # every prefix is indexed on its holder, in both frontends
+        need = full_blocks((w, prompt(i, 0)) for i, w in holder.items())  # every prefix indexed on its holder, in both
         await converged(http, a, b, timeout=10, need=need)
 
         # B never saw these prompts: its decisions come from the workers' events alone, and agree with A's.
