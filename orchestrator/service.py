@@ -29,11 +29,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from orchestrator import access_log
 from orchestrator.client_gone import unless_client_leaves
 from orchestrator.config import FrontendConfig
+from orchestrator.direct_body import EXTENSION as DIRECT_BODY, DirectBody
 from orchestrator.disagg.coordinator import protocol_of
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
 from orchestrator.errors import (
@@ -65,7 +66,7 @@ from orchestrator.resilience.migration import (
 from orchestrator.sessions import session_id_of
 from orchestrator.telemetry_recorder import FrontendTelemetry
 from orchestrator.tracing import Tracing
-from orchestrator.streaming import StreamStats, relay_sse, sse_error_event
+from orchestrator.streaming import SseRelay, StreamStats, sse_error_event
 from router import Endpoint, NoEndpointsError, RouteRequest, Router
 from workers.types import WorkerInfo, WorkerTask
 
@@ -479,8 +480,13 @@ class InferenceService:
 
     # ---- streaming, with mid-stream migration ------------------------------------------------
 
-    async def stream_events(self, d: Dispatched):
+    async def stream_events(self, d: Dispatched, direct: DirectBody | None = None):
         """Relay the engine's SSE events (bytes, each ending in a blank line) until [DONE].
+
+        With `direct` (the HTTP frontend's connection, orchestrator/direct_body.py) each engine chunk is relayed
+        inside the engine socket's read callback and written to the client there: the generator then yields only
+        what the service itself adds (a migration's or an error's ending). Without it (gRPC, other servers) every
+        piece is yielded.
 
         If the stream breaks (an error, the idle or total deadline, or an end without [DONE]):
         nothing relayed yet -> the request is re-sent elsewhere; tokens relayed -> it is continued
@@ -510,14 +516,18 @@ class InferenceService:
                 stats = StreamStats()
                 broke: str | None = None
                 ep = d.endpoint
+                relay = SseRelay(stats, d.include_usage and rewriter is None, first_token, itl.observe,
+                                 on_content=tracker.feed if tracker is not None else None,
+                                 transform=rewriter if rewriter is not None else (strip_token_ids if d.strip_ids else None),
+                                 forward_done=rewriter is None)
                 try:
-                    async for out in relay_sse(
-                        d.resp.aiter_raw(), stats, d.include_usage and rewriter is None, first_token, itl.observe,
-                        on_content=tracker.feed if tracker is not None else None,
-                        transform=rewriter if rewriter is not None else (strip_token_ids if d.strip_ids else None),
-                        forward_done=rewriter is None,
-                    ):
-                        yield out
+                    if direct is not None:
+                        await _relay_direct(d.resp, relay, direct)
+                    else:
+                        async for chunk in d.resp.aiter_raw():
+                            out = relay.feed(chunk)
+                            if out:
+                                yield out
                     if not stats.done:
                         broke = "the stream ended without [DONE]"
                 except EngineStreamError as exc:
@@ -715,19 +725,75 @@ class InferenceService:
             self.telemetry.on_finish(rreq.model, ttft_s=ttft_s, duration_s=duration, isl=rreq.isl, osl=osl, ok=status == "ok")
 
 
-class _RelayResponse(StreamingResponse):
-    """The SSE relay of a dispatched stream; if the client leaves before the relay starts (Starlette then never
-    iterates it, so its own cleanup would not run), the engine response is dropped and the books closed."""
+async def _relay_direct(resp: EngineResponse, relay: SseRelay, direct: DirectBody) -> None:
+    """One engine stream relayed from its socket's read callback straight to the client's connection; the
+    client's back-pressure pauses the engine read."""
+    feed, write = relay.feed, direct.write
 
-    def __init__(self, service: InferenceService, d: Dispatched, headers: dict) -> None:
-        super().__init__(service.stream_events(d), media_type="text/event-stream; charset=utf-8", headers=headers)
+    def on_data(chunk: bytes) -> None:
+        out = feed(chunk)
+        if out:
+            write(out)
+
+    direct.on_pause, direct.on_resume = resp.pause_reading, resp.resume_reading
+    if direct.write_paused:
+        resp.pause_reading()
+    try:
+        await resp.stream_into(on_data)
+    finally:
+        direct.on_pause = direct.on_resume = None
+
+
+class _RelayResponse(Response):
+    """The SSE relay of a dispatched stream. On kvyard's HTTP server the engine's chunks go straight to the client's
+    connection (orchestrator/direct_body.py); elsewhere through ASGI's send. The client's connection is watched:
+    if it leaves, the relay is cancelled (which drops the engine connection, so the engine aborts the request). If
+    the client leaves before the relay starts, the engine response is dropped and the books closed all the same."""
+
+    media_type = "text/event-stream; charset=utf-8"
+
+    def __init__(self, service: InferenceService, d: Dispatched, headers: dict) -> None:  # no body: no content-length
+        self.status_code, self.background = 200, None
+        self.init_headers(headers)
         self._service, self._d = service, d
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            direct = scope.get("extensions", {}).get(DIRECT_BODY)
+            if direct is not None and not direct.usable():
+                direct = None
+            relay = asyncio.ensure_future(self._relay(send, direct))
+            gone = asyncio.ensure_future(_disconnected(receive))
+            try:
+                await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not relay.done():  # the client left (or this task is cancelled): stop the relay, wait for its books
+                    relay.cancel()
+                    await asyncio.gather(relay, return_exceptions=True)
+            if relay.cancelled():
+                return
+            relay.result()  # the relay's own error, if any, as before (Starlette then logs it)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self._service.abandon(self._d)
+
+    async def _relay(self, send, direct: DirectBody | None) -> None:
+        events = self._service.stream_events(self._d, direct)
+        try:
+            async for piece in events:
+                if direct is not None:
+                    direct.write(piece)
+                else:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+        finally:
+            await events.aclose()
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def rewriter_before(tracker: StreamTracker | None, encode) -> int:

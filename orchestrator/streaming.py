@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-__all__ = ["StreamStats", "relay_sse", "sse_error_event"]
+__all__ = ["SseRelay", "StreamStats", "relay_sse", "sse_error_event"]
 
 _DONE = b"data: [DONE]"
 
@@ -43,22 +43,32 @@ def sse_error_event(message: str, code: int = 503) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n" + _DONE + b"\n\n"
 
 
-async def relay_sse(
-    chunks: AsyncIterator[bytes],
-    stats: StreamStats,
-    forward_usage: bool,
-    on_first_token: Callable[[], None],
-    on_gap: Callable[[float], None],
-    on_content: Callable[[bytes], None] | None = None,
-    transform: Callable[[bytes], bytes | None] | None = None,
-    forward_done: bool = True,
-) -> AsyncIterator[bytes]:
-    buf = b""
-    async for chunk in chunks:
-        buf += chunk  # onto an empty buf CPython hands back chunk itself: no copy in the usual case
+class SseRelay:
+    """The relay's per-chunk step: `feed(chunk)` takes the engine's next bytes and returns what the client gets now
+    (complete events only; b"" when nothing is complete yet). Called for every streamed token, from an awaited read
+    (`relay_sse`) or straight from the engine socket's read callback (`EngineResponse.stream_into`)."""
+
+    __slots__ = ("buf", "stats", "forward_usage", "on_first_token", "on_gap", "on_content", "transform", "forward_done")
+
+    def __init__(self, stats: StreamStats, forward_usage: bool, on_first_token: Callable[[], None],
+                 on_gap: Callable[[float], None], on_content: Callable[[bytes], None] | None = None,
+                 transform: Callable[[bytes], bytes | None] | None = None, forward_done: bool = True) -> None:
+        self.buf = b""
+        self.stats = stats
+        self.forward_usage = forward_usage
+        self.on_first_token = on_first_token
+        self.on_gap = on_gap
+        self.on_content = on_content
+        self.transform = transform
+        self.forward_done = forward_done
+
+    def feed(self, chunk: bytes) -> bytes:
+        buf = self.buf + chunk  # onto an empty buf CPython hands back chunk itself: no copy in the usual case
         if b"\n\n" not in buf:
-            continue
-        *events, buf = buf.split(b"\n\n")
+            self.buf = buf
+            return b""
+        *events, self.buf = buf.split(b"\n\n")
+        stats = self.stats
         out: list[bytes] = []
         now = time.perf_counter()
         for ev in events:
@@ -66,7 +76,7 @@ async def relay_sse(
                 continue
             if ev == _DONE:
                 stats.done = True
-                if forward_done:
+                if self.forward_done:
                     out.append(ev)
                 continue
             if ev.startswith(b"data: {") and _is_usage_event(ev):
@@ -74,24 +84,40 @@ async def relay_sse(
                     stats.usage = json.loads(ev[6:])["usage"]
                 except (ValueError, KeyError, TypeError):
                     pass
-                if forward_usage:
+                if self.forward_usage:
                     out.append(ev)
                 continue
             if ev.startswith(b"data: "):
                 if stats.first_token_at is None:
                     stats.first_token_at = now
-                    on_first_token()
+                    self.on_first_token()
                 else:
-                    on_gap(now - stats.last_token_at)
+                    self.on_gap(now - stats.last_token_at)
                 stats.last_token_at = now
                 stats.content_events += 1
-                if on_content is not None:
-                    on_content(ev)  # as the engine wrote it (with any token ids the frontend asked for)
-                if transform is not None:
-                    ev = transform(ev)
+                if self.on_content is not None:
+                    self.on_content(ev)  # as the engine wrote it (with any token ids the frontend asked for)
+                if self.transform is not None:
+                    ev = self.transform(ev)
                     if ev is None:
                         continue
             out.append(ev)
+        if not out:
+            return b""
+        out.append(b"")
+        return b"\n\n".join(out)
+        # a trailing event without its blank line stays in buf: if the stream ends there it is dropped (the engine
+        # died writing it)
+
+
+async def relay_sse(chunks: AsyncIterator[bytes], stats: StreamStats, forward_usage: bool,
+                    on_first_token: Callable[[], None], on_gap: Callable[[float], None],
+                    on_content: Callable[[bytes], None] | None = None,
+                    transform: Callable[[bytes], bytes | None] | None = None,
+                    forward_done: bool = True) -> AsyncIterator[bytes]:
+    """`SseRelay` over an async iterator of chunks: yields what the client gets, per chunk that completes events."""
+    relay = SseRelay(stats, forward_usage, on_first_token, on_gap, on_content, transform, forward_done)
+    async for chunk in chunks:
+        out = relay.feed(chunk)
         if out:
-            yield b"\n\n".join(out) + b"\n\n"
-    # a trailing event without its blank line is incomplete (the engine died writing it): dropped
+            yield out

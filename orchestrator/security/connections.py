@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from orchestrator.direct_body import EXTENSION, DirectBody
+
 __all__ = ["guarded_protocol"]
 
 log = logging.getLogger("kvyard.frontend")
@@ -51,6 +53,7 @@ def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_connect
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _read_timer = None
+        _bodies: list[DirectBody] | None = None  # this connection's direct bodies (orchestrator/direct_body.py)
 
         def _arm(self, seconds: float, what: str) -> None:
             self._disarm()
@@ -97,7 +100,22 @@ def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_connect
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:  # a request cycle was made (not an upgrade)
+                body = DirectBody(cycle, self.transport)
+                self.scope["extensions"] = {**self.scope.get("extensions", {}), EXTENSION: body}
+                self._bodies = [b for b in self._bodies or () if not b.done] + [body]
             self._arm(body_timeout_s, "body")
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            for body in self._bodies or ():
+                body.paused()
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            for body in self._bodies or ():
+                body.resumed()
 
         def on_body(self, body: bytes) -> None:
             super().on_body(body)

@@ -8,8 +8,7 @@ after the first burst of requests, that burst's prefix-cache hits were the basel
 
 from __future__ import annotations
 
-import httpx
-
+from orchestrator.engine_client import EngineUnreachableError
 from orchestrator.pool import WorkerPool
 from orchestrator.telemetry_recorder import FrontendTelemetry
 from router import Router
@@ -27,15 +26,19 @@ async def test_join_scrape_is_the_baseline_of_the_hit_rate() -> None:
     counters = {"q": 1000, "h": 100}  # the engine's history before this frontend existed
     scrapes: list[int] = []
 
-    def engine(request: httpx.Request) -> httpx.Response:
-        scrapes.append(counters["q"])
-        return httpx.Response(200, text=metrics(counters["q"], counters["h"]))
+    class Engine:  # the pool's engine client, answering /metrics
+        async def fetch(self, method: str, url: str, timeout_s: float) -> tuple[int, bytes]:
+            scrapes.append(counters["q"])
+            return 200, metrics(counters["q"], counters["h"]).encode()
+
+        async def close(self) -> None:
+            pass
 
     disc = InMemoryDiscovery()
     await disc.register(WorkerInfo(worker_id="w0", model="m", backend="vllm", url="http://127.0.0.1:9", started_at=0.0), 60)
     pool = WorkerPool(disc, Router("kv"))
-    await pool._client.aclose()
-    pool._client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+    await pool._client.close()
+    pool._client = Engine()
     joined: list[str] = []
     pool.on_worker_joined.append(lambda live: joined.append(live.info.worker_id))
     telemetry = FrontendTelemetry.for_pool(InMemoryTelemetryStore(), pool)
@@ -58,8 +61,15 @@ async def test_a_join_scrape_that_fails_still_adds_the_worker() -> None:
     disc = InMemoryDiscovery()
     await disc.register(WorkerInfo(worker_id="w0", model="m", backend="vllm", url="http://127.0.0.1:9"), 60)
     pool = WorkerPool(disc, Router("kv"))
-    await pool._client.aclose()
-    pool._client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: (_ for _ in ()).throw(httpx.ConnectError("refused"))))
+    class Refused:
+        async def fetch(self, method: str, url: str, timeout_s: float) -> tuple[int, bytes]:
+            raise EngineUnreachableError("ClientConnectorError: refused")
+
+        async def close(self) -> None:
+            pass
+
+    await pool._client.close()
+    pool._client = Refused()
     await pool.refresh()
     assert list(pool.workers) == ["w0"] and pool.workers["w0"].metrics is None
     await pool.close()

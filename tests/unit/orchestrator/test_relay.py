@@ -62,22 +62,3 @@ async def test_an_unterminated_last_event_is_dropped():
     assert not stats.done and not out.endswith(b"[DONE]\n\n")
 
 
-class _Reader:
-    def __init__(self, items):
-        self.items = list(items)
-
-    async def readany(self) -> bytes:
-        item = self.items.pop(0)
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-
-async def test_raw_chunks_read_until_eof_and_translate_errors():
-    assert [c async for c in _RawChunks(_Reader([b"a", b"bc", b""]))] == [b"a", b"bc"]
-    for exc in (aiohttp.ClientPayloadError("cut"), asyncio.TimeoutError()):
-        got = []
-        with pytest.raises(EngineStreamError):
-            async for c in _RawChunks(_Reader([b"a", exc])):
-                got.append(c)
-        assert got == [b"a"]

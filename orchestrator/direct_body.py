@@ -1,0 +1,58 @@
+"""Streamed response bodies written straight to the client's connection, past the ASGI send chain.
+
+Through ASGI each piece of a body is an `await send(...)`: every middleware's wrapper, Starlette's response, then
+uvicorn's protocol; for a token stream that is a coroutine chain per token. The frontend's HTTP protocol
+(orchestrator/security/connections.py) offers each request a `DirectBody` in `scope["extensions"]` under
+EXTENSION. A response starts through ASGI as usual (status and headers pass every middleware), may then hand body
+pieces to `write()`, and ends through ASGI (`more_body: False`: uvicorn writes the last chunk and keeps the
+connection's books). The SSE relay writes each engine chunk from the engine socket's read callback this way
+(orchestrator/service.py); with any other server, or over gRPC, it sends through ASGI as before.
+
+`write()` frames an HTTP/1.1 chunk exactly as uvicorn would for the same piece, and only while `usable()`: the
+response started, chunked, not complete, the client connected. Back-pressure: `on_pause()` / `on_resume()` are
+called when the client's socket buffer passes the transport's high / low water marks (uvicorn's own flow control
+sees the same calls), so a slow client slows the engine read instead of growing a buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["EXTENSION", "DirectBody"]
+
+EXTENSION = "kvyard.direct_body"
+
+
+class DirectBody:
+    __slots__ = ("_cycle", "_transport", "on_pause", "on_resume")
+
+    def __init__(self, cycle, transport) -> None:
+        self._cycle = cycle  # uvicorn's RequestResponseCycle of this request
+        self._transport = transport
+        self.on_pause: Callable[[], None] | None = None
+        self.on_resume: Callable[[], None] | None = None
+
+    def usable(self) -> bool:
+        c = self._cycle
+        return bool(c.response_started and c.chunked_encoding and not c.response_complete and not c.disconnected
+                    and c.scope.get("method") != "HEAD")
+
+    @property
+    def done(self) -> bool:
+        return self._cycle.response_complete or self._cycle.disconnected
+
+    @property
+    def write_paused(self) -> bool:
+        return self._cycle.flow.write_paused
+
+    def write(self, data: bytes) -> None:
+        if data and not self._cycle.disconnected:
+            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def paused(self) -> None:
+        if self.on_pause is not None:
+            self.on_pause()
+
+    def resumed(self) -> None:
+        if self.on_resume is not None:
+            self.on_resume()
