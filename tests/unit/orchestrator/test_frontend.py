@@ -12,21 +12,25 @@ import pytest
 from orchestrator.app import create_app
 from orchestrator.config import FrontendConfig
 from workers.discovery import InMemoryDiscovery
-from orchestrator.testing import FakeEngine, free_port, winfo
+from starlette.responses import PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from orchestrator.testing import FakeEngine, ThreadedEngine, free_port, winfo
+from orchestrator.testing.frontend_client import TRANSPORTS, frontend_client
 from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR
 
 
-@pytest.fixture
-async def frontend():
-    """Yields (client, discovery); register workers in discovery, then call `await refresh()`."""
+@pytest.fixture(params=TRANSPORTS)
+async def frontend(request):
+    """Yields (client, discovery); register workers in discovery, then call `await refresh()`. Over ASGI and over
+    kvyard's HTTP server (where streams take the direct, callback path)."""
     disc = InMemoryDiscovery()
     cfg = FrontendConfig(max_body_bytes=4096, refresh_interval_s=0.05, grpc_port=0, resilience={"retry_after_s": 2})
     app = create_app(cfg, disc)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-            client.refresh = app.state.pool.refresh
-            yield client, disc
+    async with frontend_client(app, cfg, request.param) as client:
+        client.refresh = app.state.pool.refresh
+        client.app = app
+        yield client, disc
 
 
 async def add(disc, client, *infos):
@@ -168,7 +172,7 @@ async def test_router_load_released_on_every_path(frontend):
         await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
         await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 10**6})
-    app_router = client._transport.app.state.router
+    app_router = client.app.state.router
     assert app_router.loads.load("a").inflight_requests == 0
     assert app_router.loads.load("a").prefill_tokens == 0
 
@@ -205,7 +209,7 @@ async def test_tokenizer_fetched_from_discovery_when_path_unreadable(frontend, t
 
 async def test_requests_reach_telemetry_and_admin_api_needs_token(frontend):
     client, disc = frontend
-    store = client._transport.app.state.telemetry_store
+    store = client.app.state.telemetry_store
     with FakeEngine(tokens=4) as eng:
         await add(disc, client, winfo("a", eng.url))
         await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
@@ -233,3 +237,88 @@ async def test_token_id_prompts_out_of_range_are_a_400(frontend, prompt):
     client, _disc = frontend
     r = await client.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+# ---- the direct (callback) relay on kvyard's own HTTP server ------------------------------------------------
+
+
+class _FloodEngine(ThreadedEngine):
+    """Streams 1 KiB events as fast as its client reads them; counts the events it managed to send."""
+
+    def __init__(self, events: int = 200_000) -> None:
+        self.events, self.sent = events, 0
+        self._serve_routes([
+            Route("/v1/completions", self._complete, methods=["POST"]),
+            Route("/health", lambda r: PlainTextResponse("")),
+            Route("/metrics", lambda r: PlainTextResponse("vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 0.0\n")),
+        ])
+
+    async def _complete(self, request):
+        await request.body()
+
+        async def gen():
+            pad = "x" * 1000
+            for _ in range(self.events):
+                yield f'data: {{"id":"c","choices":[{{"index":0,"text":"{pad}"}}]}}\n\n'
+                self.sent += 1
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+async def _http_frontend():
+    disc = InMemoryDiscovery()
+    cfg = FrontendConfig(refresh_interval_s=0.05, grpc_port=0)
+    app = create_app(cfg, disc)
+    return app, cfg, disc
+
+
+async def test_a_client_leaving_mid_stream_aborts_the_engine_request():
+    app, cfg, disc = await _http_frontend()
+    async with frontend_client(app, cfg, "http", timeout=30) as client:
+        with FakeEngine(tokens=2000) as eng:  # ~10 s of tokens
+            await disc.register(winfo("a", eng.url), ttl_s=60)
+            await app.state.pool.refresh()
+            async with client.stream("POST", "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
+                got = b""
+                async for chunk in r.aiter_raw():
+                    got += chunk
+                    if got.count(b"data: ") >= 3:
+                        break  # and leave: the connection closes
+            loads = app.state.router.loads
+            for _ in range(200):
+                if eng.cancelled and loads.load("a").inflight_requests == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert eng.cancelled == 1 and loads.load("a").inflight_requests == 0
+
+
+async def test_a_client_that_stops_reading_stops_the_engine_read():
+    """Back-pressure: the relay writes from the engine socket's read callback, so a client that reads nothing must
+    pause that read (TCP then stalls the engine) rather than let the frontend buffer the whole stream."""
+    app, cfg, disc = await _http_frontend()
+    async with frontend_client(app, cfg, "http", timeout=30) as client:
+        with _FloodEngine(events=200_000) as eng:  # ~200 MB if nothing pushed back
+            await disc.register(winfo("a", eng.url), ttl_s=60)
+            await app.state.pool.refresh()
+            port = int(str(client.base_url).rsplit(":", 1)[1].strip("/"))
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = b'{"model":"m","prompt":"x","stream":true}'
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%b" % (len(body), body))
+            await writer.drain()
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            # read nothing more: the socket buffers fill, then the frontend must stop reading the engine
+            before = -1
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                if eng.sent == before and eng.sent > 0:
+                    break
+                before = eng.sent
+            assert 0 < eng.sent < 60_000, eng.sent  # stalled at socket buffers' worth (a few MB), not 200 MB
+            stalled = eng.sent
+            got = 0
+            while got < 30 * 1024 * 1024:  # now read: the stream resumes
+                got += len(await reader.read(1 << 20))
+            assert eng.sent > stalled
+            writer.close()

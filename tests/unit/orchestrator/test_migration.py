@@ -19,6 +19,7 @@ from orchestrator.resilience.migration import (
 )
 from orchestrator.tokenizer import load_tokenizer
 from workers.discovery import InMemoryDiscovery
+from orchestrator.testing.frontend_client import TRANSPORTS, frontend_client
 from workers.sim.backend import SIM_TOKENIZER_DIR as TOKENIZER_DIR
 from workers.types import WorkerInfo
 
@@ -33,18 +34,22 @@ def winfo(wid: str, url: str, backend: str = "sim", protocol: str | None = "sgla
                       pd_protocol=protocol if backend == "sim" else None)
 
 
+@pytest.fixture(params=TRANSPORTS)
+def over(request) -> str:
+    """Streams relayed over ASGI (send per piece) and over kvyard's HTTP server (the direct, callback path)."""
+    return request.param
+
+
 @pytest.fixture
-async def frontend(request):
+async def frontend(request, over):
     overrides = getattr(request, "param", {})
     disc = InMemoryDiscovery()
     overrides = {**overrides, "resilience": {"retry_backoff_base_s": 0.0, **overrides.get("resilience", {})}}
     cfg = FrontendConfig(refresh_interval_s=0.05, grpc_port=0, **overrides)
     app = create_app(cfg, disc)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=30) as client:
-            client.app = app
-            yield client, disc
+    async with frontend_client(app, cfg, over, timeout=30) as client:
+        client.app = app
+        yield client, disc
 
 
 async def add(disc, client, *infos):

@@ -1,15 +1,12 @@
-"""The SSE relay (orchestrator/streaming.py) and the engine body reader (orchestrator/engine_client.py) on the token path:
-the bytes the client gets do not depend on how the engine's stream was cut into reads."""
+"""The SSE relay (orchestrator/streaming.py) on the token path: the bytes the client gets do not depend on how the
+engine's stream was cut into reads (the engine client itself: test_engine_client.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
-import aiohttp
 import pytest
 
-from orchestrator.engine_client import EngineStreamError, _RawChunks
 from orchestrator.resilience.migration import strip_token_ids
 from orchestrator.streaming import StreamStats, relay_sse
 

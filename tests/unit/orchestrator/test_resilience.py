@@ -12,7 +12,7 @@ import pytest
 from orchestrator.resilience.breaker import BreakerBoard, BreakerState, backoff_s
 
 from orchestrator.testing import FaultEngine
-from .test_migration import add, counter, frontend, sse, winfo  # noqa: F401  (frontend is a fixture)
+from .test_migration import add, counter, frontend, over, sse, winfo  # noqa: F401  (frontend, over: fixtures)
 
 
 # ---- breaker state machine ---------------------------------------------------------------------------
