@@ -216,10 +216,10 @@ class ChunkedTokenizer:
         n = sum(len(ids) for ids in found if ids is not None) + sum(len(e) for e in encoded)
         if n > limit:  # refused: no Python list of its ids is built (a hostile prompt), nothing of it is kept
             return n, None
-        new = [array("I", e.ids) for e in encoded]
-        it = iter(new)
+        lists = [e.ids for e in encoded]
+        it = iter(lists)  # a new chunk's ids go out as the list the tokenizer made (no int made twice)
         parts = [ids if ids is not None else next(it) for ids in found]
-        self._remember(missing, new, len(chunks) - len(missing))
+        self._remember(missing, [array("I", ids) for ids in lists], len(chunks) - len(missing))
         out: list[int] = []
         for p in parts:
             out.extend(p)
