@@ -12,7 +12,7 @@ from orchestrator.resilience.admission import AdmissionController, worker_satura
 from workers.types import EngineMetrics
 
 from orchestrator.testing import FaultEngine
-from .test_migration import add, counter, frontend, winfo  # noqa: F401  (frontend is a fixture)
+from .test_migration import add, counter, frontend, over, winfo  # noqa: F401  (frontend, over: fixtures)
 
 
 async def test_slots_queue_and_fifo_order():
