@@ -5,7 +5,7 @@
 Used once the request body has been read (the receive channel then carries only `http.disconnect`): a client that
 leaves while its request is queued, tokenized or waiting for the engine cancels it, which drops the engine
 connection (the engine aborts the request) and lets the work's own cleanup close the books. A streamed answer is
-watched by Starlette from the moment its headers go out.
+watched by its response (orchestrator/service.py `_RelayResponse`) from the moment its headers go out.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from collections.abc import Awaitable
 from starlette.requests import Request
 from starlette.responses import Response
 
-__all__ = ["unless_client_leaves"]
+__all__ = ["disconnected", "unless_client_leaves"]
 
 
 async def unless_client_leaves(request: Request, work: Awaitable[Response]) -> Response:
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request.receive))
     try:
         done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if task not in done:  # the client left first
@@ -33,6 +33,7 @@ async def unless_client_leaves(request: Request, work: Awaitable[Response]) -> R
         gone.cancel()
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def disconnected(receive) -> None:
+    """Returns when the ASGI `receive` channel says the client left (once the request body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
         pass

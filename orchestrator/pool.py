@@ -67,6 +67,7 @@ class WorkerPool:
         self.tokenizer_dirs: dict[str, str] = {}  # model -> local folder with tokenizer.json
         self.cache_dir = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "kvyard-tokenizers"
         self._tasks: list[asyncio.Task] = []
+        self._refresh_lock = asyncio.Lock()
         self.scrape_timeout_s = scrape_timeout_s
         self._client = EngineClient(scrape_timeout_s)  # the token path's client: a scrape costs a fraction of httpx's
         self.liveness_failures = liveness_failures  # failed scrapes in a row that make a worker unresponsive; 0: never
@@ -99,6 +100,13 @@ class WorkerPool:
                 log.exception("%s failed", fn.__name__)
 
     async def refresh(self) -> None:
+        """Re-read the registry: workers that left are forgotten, new ones scraped once and joined. One at a time (a
+        caller's refresh and the pool's own loop would otherwise both join a new worker, the later replacing the
+        other's LiveWorker and its first metrics)."""
+        async with self._refresh_lock:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         try:
             infos = await self.discovery.list_workers()
         except DiscoveryError as exc:

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from orchestrator import access_log
-from orchestrator.client_gone import unless_client_leaves
+from orchestrator.client_gone import disconnected, unless_client_leaves
 from orchestrator.config import FrontendConfig
 from orchestrator.direct_body import EXTENSION as DIRECT_BODY, DirectBody
 from orchestrator.disagg.coordinator import protocol_of
@@ -764,7 +764,7 @@ class _RelayResponse(Response):
             if direct is not None and not direct.usable():
                 direct = None
             relay = asyncio.ensure_future(self._relay(send, direct))
-            gone = asyncio.ensure_future(_disconnected(receive))
+            gone = asyncio.ensure_future(disconnected(receive))
             try:
                 await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -789,11 +789,6 @@ class _RelayResponse(Response):
                     await send({"type": "http.response.body", "body": piece, "more_body": True})
         finally:
             await events.aclose()
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def rewriter_before(tracker: StreamTracker | None, encode) -> int:

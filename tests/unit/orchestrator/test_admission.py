@@ -134,7 +134,8 @@ async def test_saturated_fleet_queues_then_503(frontend):
     with FaultEngine("a") as a:
         await add(disc, client, winfo("a", a.url))
         pool = client.app.state.pool
-        pool.scrape = _noop  # keep the metrics this test sets
+        pool._scrape_one = _noop  # keep the metrics this test sets: no scrape (the pool's own loop's included) overwrites them
+        await asyncio.gather(*(w.scrape_task for w in pool.workers.values() if w.scrape_task is not None), return_exceptions=True)
         pool.workers["a"].metrics = EngineMetrics(num_requests_waiting=3, kv_cache_usage=0.97)
         r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and "retry-after" in r.headers
@@ -145,7 +146,7 @@ async def test_saturated_fleet_queues_then_503(frontend):
         assert r.status_code == 200
 
 
-async def _noop() -> None:
+async def _noop(*_args) -> None:
     return None
 
 

@@ -8,6 +8,8 @@ after the first burst of requests, that burst's prefix-cache hits were the basel
 
 from __future__ import annotations
 
+import asyncio
+
 from orchestrator.engine_client import EngineUnreachableError
 from orchestrator.pool import WorkerPool
 from orchestrator.telemetry_recorder import FrontendTelemetry
@@ -72,4 +74,30 @@ async def test_a_join_scrape_that_fails_still_adds_the_worker() -> None:
     pool._client = Refused()
     await pool.refresh()
     assert list(pool.workers) == ["w0"] and pool.workers["w0"].metrics is None
+    await pool.close()
+
+
+async def test_concurrent_refreshes_join_a_worker_once() -> None:
+    """A caller's refresh beside the pool's own: the new worker is scraped and joined once, and the LiveWorker that
+    stays is the one the join scraped (before, the later refresh replaced it)."""
+    scrapes: list[str] = []
+
+    class SlowEngine:
+        async def fetch(self, method: str, url: str, timeout_s: float) -> tuple[int, bytes]:
+            scrapes.append(url)
+            await asyncio.sleep(0.05)
+            return 200, metrics(1, 0).encode()
+
+        async def close(self) -> None:
+            pass
+
+    disc = InMemoryDiscovery()
+    await disc.register(WorkerInfo(worker_id="w0", model="m", backend="vllm", url="http://127.0.0.1:9"), 60)
+    pool = WorkerPool(disc, Router("kv"))
+    await pool._client.close()
+    pool._client = SlowEngine()
+    joined: list[str] = []
+    pool.on_worker_joined.append(lambda live: joined.append(live.info.worker_id))
+    await asyncio.gather(pool.refresh(), pool.refresh())
+    assert joined == ["w0"] and len(scrapes) == 1
     await pool.close()
