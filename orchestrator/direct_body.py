@@ -46,7 +46,9 @@ class DirectBody:
         return self._cycle.flow.write_paused
 
     def write(self, data: bytes) -> None:
-        if data and not self._cycle.disconnected:
+        # not after the client left: uvicorn marks that in connection_lost, but the transport is closing (and uvloop's
+        # write raises) from the client's EOF on
+        if data and not self._cycle.disconnected and not self._transport.is_closing():
             self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def paused(self) -> None:

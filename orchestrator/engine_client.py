@@ -62,6 +62,10 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self._new_exchange()
 
+    def usable(self) -> bool:
+        """Open, and not closing (the engine's EOF closes the transport before connection_lost is called)."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
     def _new_exchange(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
@@ -419,7 +423,13 @@ class EngineClient:
             if left is not None and left <= 0:
                 self._release(conn)
                 raise EngineUnreachableError(f"TotalTimeout: the request's deadline ({total_s:.3g}s) passed")
-            headers_done = conn.send(head, payload, read_timeout_s, headers_timeout_s, left)
+            try:
+                headers_done = conn.send(head, payload, read_timeout_s, headers_timeout_s, left)
+            except (RuntimeError, OSError) as exc:  # the transport closed under us (uvloop raises on a closed handle)
+                conn._fail_with(EngineUnreachableError(f"ServerDisconnected: {exc}"))
+                if reused and attempt == 0:
+                    continue
+                raise conn.error from exc
             try:
                 await headers_done
             except EngineUnreachableError:
@@ -435,13 +445,13 @@ class EngineClient:
     def _take(self, key: tuple, now: float) -> _Conn | None:
         idle = self._idle.get(key)
         while idle:
-            if idle[0].closed or now - idle[0].idle_since > KEEPALIVE_S:  # the oldest first: stale ones leave
+            if not idle[0].usable() or now - idle[0].idle_since > KEEPALIVE_S:  # the oldest first: stale ones leave
                 stale = idle.popleft()
                 if stale.transport is not None:
                     stale.transport.close()
                 continue
             conn = idle.pop()  # the most recently used
-            if not conn.closed:
+            if conn.usable():
                 return conn
         return None
 

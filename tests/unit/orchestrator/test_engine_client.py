@@ -277,3 +277,43 @@ async def test_an_error_in_the_push_callback_ends_the_read_with_it():
     await r.aclose()
     await c.close()
     await e.stop()
+
+
+class _DeadTransport:
+    """A transport as uvloop leaves it between the engine's EOF and connection_lost: closing, and writes raise."""
+
+    def __init__(self, real, says_closing: bool) -> None:
+        self.real, self.says_closing = real, says_closing
+
+    def is_closing(self) -> bool:
+        return self.says_closing
+
+    def write(self, data) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    writelines = write
+
+    def abort(self) -> None:
+        self.real.abort()
+
+    def close(self) -> None:
+        self.real.close()
+
+
+@pytest.mark.parametrize("says_closing", [True, False])
+async def test_an_idle_connection_whose_transport_died_is_replaced(says_closing):
+    """Passed over when it says it is closing; re-sent on a new connection when the write itself raises."""
+    async def script(w, n):
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    e, url = await _engine(script)
+    c = EngineClient(1.0)
+    assert await c.request("GET", url + "/a", 2) == (200, b"ok")
+    (idle,) = c._idle.values()
+    idle[0].transport = _DeadTransport(idle[0].transport, says_closing)
+    resp = await c.post(url + "/b", b"", {}, 2)
+    assert resp.status_code == 200 and await resp.aread() == b"ok"
+    await resp.aclose()
+    assert e.connections == 2
+    await c.close()
+    await e.stop()
