@@ -110,12 +110,6 @@ class _Conn(asyncio.Protocol):
         why = f": {exc}" if exc else ""
         self._fail("ServerDisconnected", f"the engine closed the connection{why}")
 
-    def pause_writing(self) -> None:  # a request body larger than the socket buffer: the kernel catches up alone
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # ---- httptools callbacks ------------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:

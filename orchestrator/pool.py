@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from orchestrator.engine_client import EngineClient, EngineStreamError, EngineUnreachableError
 from orchestrator.tokenizer import load_tokenizer
 from router import Endpoint, EndpointLoad, Router

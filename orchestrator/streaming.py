@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["SseRelay", "StreamStats", "relay_sse", "sse_error_event"]
+__all__ = ["SseRelay", "StreamStats", "sse_error_event"]
 
 _DONE = b"data: [DONE]"
 
@@ -46,7 +46,9 @@ def sse_error_event(message: str, code: int = 503) -> bytes:
 class SseRelay:
     """The relay's per-chunk step: `feed(chunk)` takes the engine's next bytes and returns what the client gets now
     (complete events only; b"" when nothing is complete yet). Called for every streamed token, from an awaited read
-    (`relay_sse`) or straight from the engine socket's read callback (`EngineResponse.stream_into`)."""
+    or straight from the engine socket's read callback (`EngineResponse.stream_into`; orchestrator/service.py). A
+    trailing event without its blank line stays buffered: if the stream ends there it is dropped (the engine died
+    writing it)."""
 
     __slots__ = ("buf", "stats", "forward_usage", "on_first_token", "on_gap", "on_content", "transform", "forward_done")
 
@@ -106,18 +108,3 @@ class SseRelay:
             return b""
         out.append(b"")
         return b"\n\n".join(out)
-        # a trailing event without its blank line stays in buf: if the stream ends there it is dropped (the engine
-        # died writing it)
-
-
-async def relay_sse(chunks: AsyncIterator[bytes], stats: StreamStats, forward_usage: bool,
-                    on_first_token: Callable[[], None], on_gap: Callable[[float], None],
-                    on_content: Callable[[bytes], None] | None = None,
-                    transform: Callable[[bytes], bytes | None] | None = None,
-                    forward_done: bool = True) -> AsyncIterator[bytes]:
-    """`SseRelay` over an async iterator of chunks: yields what the client gets, per chunk that completes events."""
-    relay = SseRelay(stats, forward_usage, on_first_token, on_gap, on_content, transform, forward_done)
-    async for chunk in chunks:
-        out = relay.feed(chunk)
-        if out:
-            yield out

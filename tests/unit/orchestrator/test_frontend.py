@@ -266,7 +266,7 @@ class _FloodEngine(ThreadedEngine):
         return StreamingResponse(gen(), media_type="text/event-stream")
 
 
-async def _http_frontend():
+def _http_frontend():
     disc = InMemoryDiscovery()
     cfg = FrontendConfig(refresh_interval_s=0.05, grpc_port=0)
     app = create_app(cfg, disc)
@@ -274,7 +274,7 @@ async def _http_frontend():
 
 
 async def test_a_client_leaving_mid_stream_aborts_the_engine_request():
-    app, cfg, disc = await _http_frontend()
+    app, cfg, disc = _http_frontend()
     async with frontend_client(app, cfg, "http", timeout=30) as client:
         with FakeEngine(tokens=2000) as eng:  # ~10 s of tokens
             await disc.register(winfo("a", eng.url), ttl_s=60)
@@ -296,7 +296,7 @@ async def test_a_client_leaving_mid_stream_aborts_the_engine_request():
 async def test_a_client_that_stops_reading_stops_the_engine_read():
     """Back-pressure: the relay writes from the engine socket's read callback, so a client that reads nothing must
     pause that read (TCP then stalls the engine) rather than let the frontend buffer the whole stream."""
-    app, cfg, disc = await _http_frontend()
+    app, cfg, disc = _http_frontend()
     async with frontend_client(app, cfg, "http", timeout=30) as client:
         with _FloodEngine(events=200_000) as eng:  # ~200 MB if nothing pushed back
             await disc.register(winfo("a", eng.url), ttl_s=60)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from orchestrator.resilience.migration import strip_token_ids
-from orchestrator.streaming import StreamStats, relay_sse
+from orchestrator.streaming import SseRelay, StreamStats
 
 EVENTS = [
     b'data: {"id":"c1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"Hi","token_ids":[5]}]}',
@@ -20,16 +20,10 @@ EVENTS = [
 STREAM = b"".join(e + b"\n\n" for e in EVENTS)
 
 
-async def _chunks(parts):
-    for p in parts:
-        yield p
-
-
-async def _relay(parts, **kw) -> tuple[bytes, StreamStats, list[bytes]]:
+def _relay(parts, **kw) -> tuple[bytes, StreamStats, list[bytes]]:
     stats, seen = StreamStats(), []
-    out = b"".join([o async for o in relay_sse(_chunks(parts), stats, kw.pop("forward_usage", True), lambda: None,
-                                               lambda gap: None, on_content=seen.append, **kw)])
-    return out, stats, seen
+    relay = SseRelay(stats, kw.pop("forward_usage", True), lambda: None, lambda gap: None, on_content=seen.append, **kw)
+    return b"".join(relay.feed(p) for p in parts), stats, seen
 
 
 def _splits(data: bytes, rng: random.Random) -> list[bytes]:
@@ -38,24 +32,24 @@ def _splits(data: bytes, rng: random.Random) -> list[bytes]:
 
 
 @pytest.mark.parametrize("seed", range(30))
-async def test_any_cutting_of_the_stream_relays_the_same_bytes(seed):
+def test_any_cutting_of_the_stream_relays_the_same_bytes(seed):
     rng = random.Random(seed)
-    whole, stats, seen = await _relay([STREAM])
+    whole, stats, seen = _relay([STREAM])
     assert whole == STREAM and stats.done and stats.content_events == 3 and stats.usage == {"prompt_tokens": 3, "completion_tokens": 4}
     parts = _splits(STREAM, rng) if seed else [e + b"\n\n" for e in EVENTS]  # seed 0: one event per read (the fast path)
-    out, stats2, seen2 = await _relay(parts)
+    out, stats2, seen2 = _relay(parts)
     assert out == STREAM and seen2 == seen == EVENTS[:3] and stats2.done
 
 
-async def test_ids_are_stripped_and_usage_withheld_unless_asked():
-    out, _, seen = await _relay([STREAM], forward_usage=False, transform=strip_token_ids)
+def test_ids_are_stripped_and_usage_withheld_unless_asked():
+    out, _, seen = _relay([STREAM], forward_usage=False, transform=strip_token_ids)
     assert b'"usage"' not in out and b'"token_ids":null' in out and b"[5]" not in out
     assert seen == EVENTS[:3]  # the migration tracker still sees the ids the engine sent
     assert out.endswith(b"data: [DONE]\n\n")
 
 
-async def test_an_unterminated_last_event_is_dropped():
-    out, stats, _ = await _relay([STREAM[:-2]])
+def test_an_unterminated_last_event_is_dropped():
+    out, stats, _ = _relay([STREAM[:-2]])
     assert not stats.done and not out.endswith(b"[DONE]\n\n")
 
 
