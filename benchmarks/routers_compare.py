@@ -20,7 +20,9 @@ checkout, the same command for every router. For the trace workload each router 
 caches); for the streaming workload one fleet per concurrency level serves every router in turn (distinct prompts).
 
 Client (the same for every router): aiperf 0.13.0 (`--client aiperf`, the default; .venv-aiperf, offline: the sim's
-tokenizer laid out as the hub cache entry `local/cl100k`; `--use-server-token-count`), one `aiperf profile` per run;
+tokenizer laid out as the hub cache entry `local/cl100k`; `--use-server-token-count`; `--no-server-metrics`: aiperf
+scrapes <url>/metrics by default, and only kvyard serves its metrics on the API port, so only kvyard paid for those
+scrapes), one `aiperf profile` per run;
 or `--client loadgen`, benchmarks/loadgen.py's streaming reader in this process.
 Workloads (all /v1/chat/completions, streamed, `ignore_eos`, usage chunk):
   trace   benchmarks/data/mooncake_conversation_trace.jsonl: of its first --trace-window (1,000) rows, the ones that
@@ -363,7 +365,7 @@ async def aiperf_run(url: str, tmp: Path, tag: str, load_args: list[str]) -> dic
     env = {**os.environ, "HF_HOME": str(aiperf_home(tmp)), "HF_HUB_OFFLINE": "1"}
     cmd = [str(ROOT / ".venv-aiperf" / "bin" / "aiperf"), "profile", "--model", MODEL, "--url", url, "--endpoint-type",
            "chat", "--streaming", "--tokenizer", "local/cl100k", "--use-server-token-count", "--extra-inputs",
-           "ignore_eos:true", "--ui", "none", "--artifact-dir", str(art), *load_args]
+           "ignore_eos:true", "--ui", "none", "--no-server-metrics", "--artifact-dir", str(art), *load_args]
     with open(tmp / f"aiperf-{tag}.log", "wb") as log:
         proc = await asyncio.create_subprocess_exec(*cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT)
         rc = await proc.wait()

@@ -1,8 +1,9 @@
 """A validated request's prompt tokens and limits, without stalling the event loop.
 
-    ids, mm = await prep.prompt_ids(req, model, ctx, spec)  # 400 context_length_exceeded when it cannot fit
-    prep.check_lengths(req, ids, ctx)                   # max_tokens against the context and the cap
-    body, max_tokens = prep.fill_max_tokens(req, body, ids, ctx)
+    prompt = await prep.prompt_ids(req, model, ctx, spec, probe)  # 400 context_length_exceeded when it cannot fit
+    prep.check_lengths(req, prompt.count, ctx)                    # max_tokens against the context and the cap
+    body, max_tokens = prep.fill_max_tokens(req, body, prompt.count, ctx)
+    ids = await prep.complete(prompt)                             # all the ids (a migration needs them)
 
 `ctx` is the model's context length: the smallest max_model_len its workers registered
 (WorkerPool.context_len), so a prompt accepted here fits whichever worker the router picks.
@@ -17,6 +18,16 @@ for 12.6 s):
      cost more than they do.
   3. long prompts are tokenized by chunks whose ids are cached (orchestrator/token_cache.py): a
      conversation's history, re-sent with every turn, is tokenized once.
+  4. lazily, only as far as routing can use (`probe`): the router matches a prompt's blocks from its start, and
+     no worker can hold a block past the first one no worker holds. So a long prompt is tokenized from its start,
+     chunk by chunk, while `probe(ids so far)` says every full block so far is cached (or pending) on some worker,
+     and not past the first chunk no earlier prompt held (those are tokenized the second time they are seen: a
+     copy sent while the first is still in prefill shares its prefix). The rest is never tokenized unless a
+     limit needs its exact length (UTF-8 bytes bound its tokens from above: `PartialIds.upper`) or the stream
+     migrates (`complete`). The token count routing and load use is then an estimate; the engine's usage
+     replaces it when the request ends (orchestrator/service.py). The kv policy's probe asks its index; a policy
+     without one (round-robin, least-loaded) needs no ids (`probe=None`), and `probe=EAGER` tokenizes it all
+     (disaggregated models, workers without KV events whose predicted contents are the routed prompts).
 Measured (benchmarks/results/hostile_prompt.json): the longest loop stall an 8 MB prompt causes.
 """
 
@@ -24,19 +35,48 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from orchestrator.errors import BadRequestError, ContextLengthError
 from orchestrator.multimodal import chat_prompt
 from orchestrator.pool import WorkerPool
 from orchestrator.protocol import ChatCompletionRequest
-from orchestrator.token_cache import ChunkedTokenizer
+from orchestrator.token_cache import ChunkedTokenizer, PartialIds
 from orchestrator.tokenizer import PromptTokenizer, load_tokenizer
 from workers.multimodal import ContentError, MmTokenSpec, flatten_messages
 
-__all__ = ["PromptPreparer", "INLINE_CHARS"]
+__all__ = ["PromptPreparer", "PromptTokens", "INLINE_CHARS", "EAGER"]
 
 INLINE_CHARS = 4096  # up to here a prompt is tokenized on the loop (a thread hop would cost more than the encode)
+EAGER = object()  # prompt_ids(probe=EAGER): every token, as routing with predicted cache contents needs
+
+Probe = Callable[[list[int]], bool]  # "every full block of these leading ids is cached on some worker"
+
+
+@dataclass(eq=False)
+class PromptTokens:
+    """A prompt's token ids as far as they were needed (prepare.py header, 4)."""
+
+    ids: list[int] = field(default_factory=list)  # all of them, or (not complete) the first ones
+    mm_items: list = field(default_factory=list)
+    count: int = 0  # the token count: exact when complete, else an estimate (<= upper)
+    partial: PartialIds | None = None  # set while the rest is untokenized
+    chunked: ChunkedTokenizer | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.partial is None or self.partial.complete
+
+    @property
+    def upper(self) -> int:
+        return self.count if self.partial is None or self.partial.complete else self.partial.upper
+
+    @property
+    def obtainable(self) -> bool:
+        """The ids are known or can be had (a tokenizer was there)."""
+        return bool(self.ids) or not self.complete
 
 
 def _too_long(ctx: int, n: int | None, chars: int | None, param: str) -> ContextLengthError:
@@ -94,9 +134,10 @@ class PromptPreparer:
         folder = self.pool.tokenizer_dir(model)
         return load_tokenizer(folder) if folder is not None else None
 
-    async def prompt_ids(self, req, model: str, ctx: int, mm_spec: MmTokenSpec | None = None) -> tuple[list[int], list]:
-        """(prompt token ids, multimodal items): the longest prompt's ids for a batch; a chat's image/audio parts become
-        placeholder runs (orchestrator/multimodal.py). ([], []) without a tokenizer: the engine checks lengths."""
+    async def prompt_ids(self, req, model: str, ctx: int, mm_spec: MmTokenSpec | None = None, probe: Probe | None | object = EAGER) -> PromptTokens:
+        """The prompt's tokens: the longest prompt's ids for a batch; a chat's image/audio parts become placeholder
+        runs (orchestrator/multimodal.py); no ids without a tokenizer (the engine checks lengths). A long prompt with
+        `probe` other than EAGER may come back incomplete (header, 4)."""
         chat = isinstance(req, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         spec = mm_spec or MmTokenSpec()
@@ -105,13 +146,13 @@ class PromptPreparer:
             ids = list(prompt) if isinstance(prompt[0], int) else max(prompt, key=len)
             if len(ids) > ctx:
                 raise _too_long(ctx, len(ids), None, param)
-            return ids, []
+            return PromptTokens(ids, [], len(ids))
         tok = self.tokenizer(model)
         msgs = [m.model_dump() for m in req.messages] if chat else None
         if tok is None:  # no tokenizer reachable yet: route without token ids; the engine checks lengths
             if chat:  # the parts are still checked (400 for an unsupported one)
                 chat_prompt(_NoTokenizer(), msgs, spec)
-            return [], []
+            return PromptTokens()
         if chat:
             chars = sum(len(m.text()) for m in req.messages)
             texts = None
@@ -121,45 +162,78 @@ class PromptPreparer:
         if chars > ctx * tok.max_chars_per_token:
             raise _too_long(ctx, None, chars, param)
 
-        def tokenize() -> tuple[int, list[int] | None, list]:
+        lazy = probe is not EAGER and chars > INLINE_CHARS and (chat or len(texts) == 1)
+
+        def tokenize() -> tuple[int, list[int] | None, list] | PromptTokens:
             # long prompts (tokenized off the loop): the same ids as tok's, from cached chunks where it can
             cached = self.chunked(tok) if chars > INLINE_CHARS else tok
             if texts is not None:
+                if lazy and cached.lazy(texts[0], True):
+                    return self._begin(cached, texts[0], True, probe)
                 return (*max((cached.count_or_ids(t, ctx) for t in texts), key=lambda r: r[0]), [])
             try:
                 flat, items = flatten_messages(msgs)
             except ContentError as exc:
                 raise BadRequestError(str(exc), param=exc.param) from exc
             if not items:  # the template carries any special tokens, as vLLM does for chat
-                return (*cached.count_or_ids(tok.render_chat(flat), ctx, add_special_tokens=False), [])
+                text = tok.render_chat(flat)
+                if lazy and cached.lazy(text, False):
+                    return self._begin(cached, text, False, probe)
+                return (*cached.count_or_ids(text, ctx, add_special_tokens=False), [])
             ids, items = chat_prompt(_GilFree(tok), msgs, spec)
             return len(ids), (ids if len(ids) <= ctx else None), items
 
+        loop = asyncio.get_running_loop()
         if chars > INLINE_CHARS:
-            n, ids, items = await asyncio.get_running_loop().run_in_executor(self._executor, tokenize)
+            got = await loop.run_in_executor(self._executor, tokenize)
         else:
-            n, ids, items = tokenize()
+            got = tokenize()
+        if isinstance(got, PromptTokens):
+            p = got.partial
+            while not p.complete and probe is not None and probe(p.ids):  # the index matches it all so far: go on
+                await loop.run_in_executor(self._executor, got.chunked.extend, p, max(1, p.done))  # doubling
+            want = req.requested_max_tokens() or 0
+            if not p.complete and (p.upper + want > ctx or (want == 0 and self.max_tokens_cap and ctx - p.upper < self.max_tokens_cap)):
+                await self.complete(got)  # a limit needs the exact count
+            got.count = p.estimate()
+            if p.complete and got.count > ctx:
+                raise _too_long(ctx, got.count, None, param)
+            return got
+        n, ids, items = got
         if ids is None:
             raise _too_long(ctx, n, None, param)
-        return ids, items
+        return PromptTokens(ids, items, n)
 
-    def check_lengths(self, req, ids: list[int], ctx: int) -> None:
+    def _begin(self, cached: ChunkedTokenizer, text: str, add_special_tokens: bool, probe) -> PromptTokens:
+        """On the thread pool: the first chunks of a lazily tokenized prompt (none with no probe)."""
+        p = cached.begin(text, add_special_tokens, first=0 if probe is None else None)
+        return PromptTokens(p.ids, [], 0, p, cached)
+
+    async def complete(self, prompt: PromptTokens) -> list[int]:
+        """All of the prompt's ids (tokenizing the rest of a lazy one, on the thread pool; its cached chunks are free)."""
+        p = prompt.partial
+        if p is not None and not p.complete:
+            await asyncio.get_running_loop().run_in_executor(self._executor, prompt.chunked.extend, p, len(p.chunks))
+            prompt.count = len(p.ids)
+        return prompt.ids
+
+    def check_lengths(self, req, n_prompt: int, ctx: int) -> None:
         want = req.requested_max_tokens()
         cap = self.max_tokens_cap
         if want is not None and cap and want > cap:
             field_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
             raise BadRequestError(f"{field_name}={want} is over this server's limit of {cap} tokens", param=field_name)
-        if want is not None and want + len(ids) > ctx:
+        if want is not None and want + n_prompt > ctx:
             raise ContextLengthError(
-                f"max_tokens={want} is too large: with {len(ids)} prompt tokens the total exceeds the model's "
+                f"max_tokens={want} is too large: with {n_prompt} prompt tokens the total exceeds the model's "
                 f"maximum context length of {ctx} tokens.",
                 param="max_tokens",
             )
 
-    def fill_max_tokens(self, req, body: dict, ids: list[int], ctx: int) -> tuple[dict, int | None]:
+    def fill_max_tokens(self, req, body: dict, n_prompt: int, ctx: int) -> tuple[dict, int | None]:
         """(body, max_tokens): with max_tokens_cap set and no max_tokens asked, the cap (within the context) is filled in."""
         want = req.requested_max_tokens()
         if want is not None or not self.max_tokens_cap:
             return body, want
-        fill = min(self.max_tokens_cap, ctx - len(ids)) if ids else self.max_tokens_cap
+        fill = min(self.max_tokens_cap, ctx - n_prompt) if n_prompt else self.max_tokens_cap
         return ({**body, "max_tokens": fill}, fill) if fill > 0 else (body, None)

@@ -48,7 +48,7 @@ from orchestrator.metrics import BatchedObserver, FrontendMetrics
 from orchestrator.multimodal import stamp_uuids
 from orchestrator.security.http import read_body
 from orchestrator.pool import WorkerPool
-from orchestrator.prepare import PromptPreparer
+from orchestrator.prepare import EAGER, PromptPreparer, PromptTokens
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from orchestrator.request_fields import RequestFields
 from orchestrator.resilience.admission import AdmissionController, Ticket, worker_saturated
@@ -92,7 +92,8 @@ class Dispatched:
     path: str = ""
     body: dict = field(default_factory=dict)  # the client's request as forwarded (before stream_options)
     payload: bytes = b""  # what the engines were sent
-    prompt_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)  # all of them once `prompt` is complete
+    prompt: PromptTokens | None = None
     max_tokens: int | None = None
     blocker: str | None = None  # why the request cannot be migrated, None if it can
     strip_ids: bool = False  # the frontend asked the engine for token ids the client did not ask for
@@ -208,6 +209,19 @@ class InferenceService:
         """Ready endpoints of the model whose circuit breaker is closed."""
         return [e for e in self.pool.endpoints(model) if self.breakers.allows(e.worker_id)]
 
+    def _tokenize_until(self, model: str, lora_name: str | None):
+        """How far a long prompt must be tokenized for routing (orchestrator/prepare.py, 4): the kv policy's index
+        tells, when every worker of the model feeds it KV events; all of it for predicted contents (workers without
+        events) and disaggregated models; none of it for policies without an index."""
+        index = self.router.kv_index
+        if index is None:
+            return None
+        workers = [w.info for w in self.pool.ready(model)]
+        if not workers or (self.disagg is not None and self.disagg.applies(model)) or not all(index.event_fed(w.worker_id) for w in workers):
+            return EAGER
+        block_size = workers[0].block_size
+        return lambda ids: self.router.prefix_cached(ids, block_size, lora_name)
+
     def fleet_saturated(self, model: str) -> bool:
         """Every routable worker of the model reports KV usage and waiting requests over the thresholds."""
         ws = [w for w in self.pool.ready(model) if w.info.role.value != "prefill" and self.breakers.allows(w.info.worker_id)]
@@ -285,11 +299,13 @@ class InferenceService:
         if info.task == WorkerTask.EMBED:  # a pooling model: /v1/embeddings only (orchestrator/passthrough.py)
             raise BadRequestError(f"The model `{model}` does not support generation (it is an embedding model).", param="model")
         ctx = self.pool.context_len(model) or info.max_model_len
-        try:  # long prompts are tokenized off the loop (prepare.py)
+        try:  # long prompts are tokenized off the loop, and only as far as routing needs (prepare.py)
             with self.tracing.span("kvyard.tokenize"):  # tracing hook
-                ids, mm_items = await self.prep.prompt_ids(req, model, ctx, self.cfg.multimodal.spec())
-            self.prep.check_lengths(req, ids, ctx)
-            body, max_tokens = self.prep.fill_max_tokens(req, body, ids, ctx)
+                prompt = await self.prep.prompt_ids(req, model, ctx, self.cfg.multimodal.spec(),
+                                                    self._tokenize_until(model, adapter.name if adapter is not None else None))
+            ids, mm_items = prompt.ids, prompt.mm_items
+            self.prep.check_lengths(req, prompt.count, ctx)
+            body, max_tokens = self.prep.fill_max_tokens(req, body, prompt.count, ctx)
             with self.tracing.span("kvyard.admission"):  # tracing hook
                 ticket = await self.admission.admit(model, key_id, *priority)
         except asyncio.CancelledError:  # the client left while its prompt was tokenized or it was queued
@@ -298,7 +314,7 @@ class InferenceService:
         if ticket.queued_s:
             self.metrics.admission_wait.labels(model).observe(ticket.queued_s)
         rid = request_id or f"kvy-{uuid.uuid4().hex}"
-        self.tracing.annotate(**{"kvyard.request_id": rid, "kvyard.model": model, "kvyard.prompt_tokens": len(ids)})  # tracing hook
+        self.tracing.annotate(**{"kvyard.request_id": rid, "kvyard.model": model, "kvyard.prompt_tokens": prompt.count})  # tracing hook
         booked = False
         try:
             endpoints = self.routable(model)
@@ -306,7 +322,8 @@ class InferenceService:
                 wait = max(self.cfg.resilience.retry_after_s, self.breakers.retry_after_s())
                 raise ServiceUnavailableError(f"every worker of `{model}` is failing its health checks; retry shortly", retry_after=wait)
             rreq = RouteRequest(request_id=rid, model=model, token_ids=ids, max_tokens=max_tokens or 0, session_id=session_id,
-                                lora_name=adapter.name if adapter is not None else None, mm_items=tuple(mm_items))
+                                lora_name=adapter.name if adapter is not None else None, mm_items=tuple(mm_items),
+                                prompt_tokens=-1 if prompt.complete else prompt.count)
             disagg = self.disagg if self.disagg is not None and self.disagg.applies(model) else None
             if adapter is not None:
                 if disagg is not None:
@@ -328,8 +345,7 @@ class InferenceService:
         self.tracing.route(decision, len(endpoints), self.router.last_decision_s)  # tracing hook
         if self.telemetry is not None:
             self.telemetry.on_arrival(model)
-        self.metrics.isl.labels(model).observe(len(ids))
-        blocker = migration_blocker(kind, body, bool(ids)) if self.cfg.resilience.max_migrations else "migration disabled"
+        blocker = migration_blocker(kind, body, prompt.obtainable) if self.cfg.resilience.max_migrations else "migration disabled"
         strip_ids = False
         send_body = body
         if req.stream:
@@ -341,7 +357,7 @@ class InferenceService:
         send_body = self._engine_fields(send_body, info, adapter, mm_items, priority[0])
         payload = json.dumps(send_body).encode()
         d = Dispatched(rreq, endpoints[0], None, req.stream, req.include_usage, t0, kind=kind, path=path, body=body,  # type: ignore[arg-type]
-                       payload=payload, prompt_ids=ids, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
+                       payload=payload, prompt_ids=ids, prompt=prompt, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
                        deadline=t0 + self.cfg.resilience.request_timeout_s, ticket=ticket)
         self.metrics.inflight.labels(model).inc()
         try:
@@ -354,7 +370,7 @@ class InferenceService:
             raise
         self.metrics.routed.labels(model, d.endpoint.worker_id, decision.policy).inc()
         ep = d.endpoint
-        access_log.note(request_id=rid, model=model, worker=ep.worker_id, prompt_tokens=len(ids), key_id=key_id,  # access-log hook
+        access_log.note(request_id=rid, model=model, worker=ep.worker_id, prompt_tokens=prompt.count, key_id=key_id,  # access-log hook
                         cached_tokens=decision.overlap_of(ep) * ep.block_size if ids else None, queue_s=ticket.queued_s)
         if adapter is not None:
             self.lora.begin(rid, ep.worker_id, adapter.name)
@@ -363,8 +379,8 @@ class InferenceService:
             self.metrics.overlap_blocks.labels(model).inc(overlap)
             if decision.overlap_blocks:
                 self.metrics.best_overlap_blocks.labels(model).inc(max(decision.overlap_blocks.values()))
-            self.metrics.prompt_blocks.labels(model).inc(len(ids) // ep.block_size)
-            self.metrics.kv_hit_rate.labels(model).observe(min(1.0, overlap * ep.block_size / len(ids)))
+            self.metrics.prompt_blocks.labels(model).inc(prompt.count // ep.block_size)
+            self.metrics.kv_hit_rate.labels(model).observe(min(1.0, overlap * ep.block_size / max(1, prompt.count)))
         return d
 
     async def release(self, d: Dispatched, status: str) -> bytes:
@@ -576,6 +592,7 @@ class InferenceService:
                 await d.resp.aclose()
             if final_usage:
                 self.metrics.osl.labels(model).observe(osl)
+                _settle_prompt_tokens(rreq, final_usage)
             ttft = first_at - t0 if first_at is not None else None
             self._finish(rreq, t0, status, ttft_s=ttft, osl=osl, ticket=d.ticket)
 
@@ -616,6 +633,8 @@ class InferenceService:
             raise end("refused", f"the engine stream failed mid-way; this request cannot be continued elsewhere ({d.blocker})")
         if tracker.blocked:
             raise end("refused", f"the engine stream failed mid-way; this request cannot be continued elsewhere ({tracker.blocked})")
+        if d.prompt is not None and not d.prompt.complete:  # tokenized lazily: the continuation needs every id
+            d.prompt_ids = await self.prep.complete(d.prompt)
         encode = self._encoder(model)
         gen_ids, _exact = tracker.generated_ids(encode)
         n_gen = len(gen_ids) if gen_ids is not None else tracker.events
@@ -701,8 +720,10 @@ class InferenceService:
         self.router.on_first_token(rreq.request_id)
         osl = 0
         try:
-            osl = int((json.loads(content).get("usage") or {}).get("completion_tokens", 0))
+            usage = json.loads(content).get("usage") or {}
+            osl = int(usage.get("completion_tokens", 0))
             self.metrics.osl.labels(rreq.model).observe(osl)
+            _settle_prompt_tokens(rreq, usage)
         except (ValueError, AttributeError, TypeError):
             pass
         self._finish(rreq, t0, "ok", osl=osl, ticket=d.ticket)
@@ -720,9 +741,18 @@ class InferenceService:
             ticket.release()
         self.metrics.inflight.labels(rreq.model).dec()
         self.metrics.duration.labels(rreq.model).observe(duration)
+        self.metrics.isl.labels(rreq.model).observe(rreq.isl)
         self.metrics.requests.labels(rreq.model, "generate", status).inc()
         if self.telemetry is not None:
             self.telemetry.on_finish(rreq.model, ttft_s=ttft_s, duration_s=duration, isl=rreq.isl, osl=osl, ok=status == "ok")
+
+
+def _settle_prompt_tokens(rreq: RouteRequest, usage) -> None:
+    """A lazily tokenized prompt's count was an estimate: the engine's usage says what it was."""
+    if rreq.prompt_tokens >= 0 and isinstance(usage, dict):
+        n = usage.get("prompt_tokens")
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+            rreq.prompt_tokens = n
 
 
 async def _relay_direct(resp: EngineResponse, relay: SseRelay, direct: DirectBody) -> None:

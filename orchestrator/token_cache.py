@@ -37,8 +37,9 @@ import random
 import threading
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
-__all__ = ["ChunkedTokenizer", "exact_cuts", "exact_cuts_reason"]
+__all__ = ["ChunkedTokenizer", "PartialIds", "exact_cuts", "exact_cuts_reason"]
 
 
 def _solid(ch: str) -> bool:
@@ -173,6 +174,35 @@ def exact_cuts_reason(tok) -> str | None:
     return None
 
 
+@dataclass(eq=False)
+class PartialIds:
+    """A long prompt tokenized from its start only as far as asked (ChunkedTokenizer.begin / extend).
+
+    `ids` are exactly the ids of `chunks[:done]` (the whole text's first tokens: every chunk ends at an exact cut).
+    `upper` bounds the whole text's token count from above without tokenizing it: every token of a byte-level or
+    character-level model covers at least one UTF-8 byte (one of the text after NFC normalizing, which is at most
+    3x longer; other normalizers never reach here, see ChunkedTokenizer.lazy)."""
+
+    chunks: list[str]
+    ids: list[int]
+    done: int
+    done_chars: int
+    chars: int
+    upper: int
+    ratio: float  # tokens per character, to estimate the rest (of this prompt's tokenized part, else the cache's)
+
+    @property
+    def complete(self) -> bool:
+        return self.done == len(self.chunks)
+
+    def estimate(self) -> int:
+        """The token count: exact when complete, else the tokenized part's plus the rest at its ratio (<= upper)."""
+        if self.complete:
+            return len(self.ids)
+        ratio = len(self.ids) / self.done_chars if self.done_chars else self.ratio
+        return min(self.upper, len(self.ids) + round((self.chars - self.done_chars) * ratio))
+
+
 class ChunkedTokenizer:
     """`count_or_ids` of a PromptTokenizer, from a shared LRU of chunk ids (bounded by `capacity_tokens`).
 
@@ -190,10 +220,51 @@ class ChunkedTokenizer:
         self._tokens = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0  # chunks
+        # chunks a lazy prompt left untokenized, by str hash: seen again, they are tokenized (see begin)
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._seen_cap = max(1024, 4 * capacity_tokens // 256)
+        self._enc_chars, self._enc_tokens = 1, 0  # what this cache has encoded: the tokens-per-character ratio
+        self._expand = 3 if tok.raw.normalizer is not None else 1  # NFC (the only normalizer allowed) grows text <= 3x
 
     @property
     def enabled(self) -> bool:
         return self.reason is None
+
+    def lazy(self, text: str, add_special_tokens: bool) -> bool:
+        """Whether `begin` applies to this text (else count_or_ids, which tokenizes it whole)."""
+        return (self.reason is None and 2 * self.chunk_chars <= len(text) <= MAX_CHUNKED_CHARS
+                and not (add_special_tokens and not self._specials_free))
+
+    def begin(self, text: str, add_special_tokens: bool, first: int | None = None) -> PartialIds:
+        """Tokenize the start of `text` only (lazy() must be true). With `first` None: the leading chunks that are
+        cached or were seen before (in an earlier prompt that left them untokenized), and one chunk more; the rest
+        is remembered as seen. The router's prefix match cannot reach past a chunk no prompt has held before, unless
+        the index (fed by every engine) says so; the caller asks for more with `extend` while it does. With `first`:
+        that many chunks."""
+        cuts = exact_cuts(text, self.chunk_chars)
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        upper = len(text.encode("utf-8", "surrogatepass")) * self._expand
+        p = PartialIds(chunks, [], 0, 0, len(text), upper, self._enc_tokens / self._enc_chars)
+        if first is None:
+            keys = [hash(c) for c in chunks]
+            with self._lock:
+                lru, seen = self._lru, self._seen
+                first = next((i for i, (c, k) in enumerate(zip(chunks, keys)) if c not in lru and k not in seen), len(chunks) - 1) + 1
+                for k in keys[first:]:
+                    seen[k] = None
+                    seen.move_to_end(k)
+                while len(seen) > self._seen_cap:
+                    seen.popitem(last=False)
+        return self.extend(p, first)
+
+    def extend(self, p: PartialIds, more: int) -> PartialIds:
+        """Tokenize `more` chunks past the ones done (cached ones cost a lookup)."""
+        start, stop = p.done, min(len(p.chunks), p.done + more)
+        ids = self._ids_of(p.chunks[start:stop])
+        p.ids.extend(ids)
+        p.done_chars += sum(map(len, p.chunks[start:stop]))
+        p.done = stop
+        return p
 
     def count_or_ids(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
         """(token count, ids), the ids only when the count is at most `limit`: exactly the tokenizer's own answer."""
@@ -204,6 +275,17 @@ class ChunkedTokenizer:
         if not cuts:
             return self._tok.count_or_ids(text, limit, add_special_tokens)
         chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        found, missing, encoded = self._lookup(chunks)
+        n = sum(len(ids) for ids in found if ids is not None) + sum(len(e) for e in encoded)
+        if n > limit:  # refused: no Python list of its ids is built (a hostile prompt), nothing of it is kept
+            return n, None
+        return n, self._join(found, missing, encoded)
+
+    def _ids_of(self, chunks: list[str]) -> list[int]:
+        return self._join(*self._lookup(chunks)) if chunks else []
+
+    def _lookup(self, chunks: list[str]) -> tuple[list[array | None], list[str], list]:
+        """(each chunk's cached ids or None, the chunks not cached, their encodings: one GIL-free batch call)."""
         found: list[array | None] = []
         with self._lock:
             for c in chunks:
@@ -212,23 +294,25 @@ class ChunkedTokenizer:
                     self._lru.move_to_end(c)
                 found.append(ids)
         missing = [c for c, ids in zip(chunks, found) if ids is None]
-        encoded = self._encode_many(missing, add_special_tokens=False) if missing else []
-        n = sum(len(ids) for ids in found if ids is not None) + sum(len(e) for e in encoded)
-        if n > limit:  # refused: no Python list of its ids is built (a hostile prompt), nothing of it is kept
-            return n, None
+        return found, missing, (self._encode_many(missing, add_special_tokens=False) if missing else [])
+
+    def _join(self, found: list[array | None], missing: list[str], encoded: list) -> list[int]:
+        """The chunks' ids end to end; the new chunks' ids are cached."""
         lists = [e.ids for e in encoded]
         it = iter(lists)  # a new chunk's ids go out as the list the tokenizer made (no int made twice)
         parts = [ids if ids is not None else next(it) for ids in found]
-        self._remember(missing, [array("I", ids) for ids in lists], len(chunks) - len(missing))
+        self._remember(missing, [array("I", ids) for ids in lists], len(found) - len(missing))
         out: list[int] = []
         for p in parts:
             out.extend(p)
-        return n, out
+        return out
 
     def _remember(self, chunks: list[str], ids: list[array], hits: int) -> None:
         with self._lock:
             self.hits += hits
             self.misses += len(chunks)
+            self._enc_chars += sum(map(len, chunks))
+            self._enc_tokens += sum(map(len, ids))
             for c, i in zip(chunks, ids):
                 if c not in self._lru:
                     self._lru[c] = i

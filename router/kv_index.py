@@ -160,6 +160,11 @@ class KvIndex:
         w = self._workers.get(worker_id)
         return w is not None and w.predicted is not None
 
+    def event_fed(self, worker_id: str) -> bool:
+        """A known worker whose entries come from its KV events (not predicted from what was routed to it)."""
+        w = self._workers.get(worker_id)
+        return w is not None and w.predicted is None
+
     def tree_sizes(self) -> dict[str, int]:
         """Distinct prefix blocks indexed per worker."""
         return {

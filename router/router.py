@@ -91,6 +91,17 @@ class Router:
         for stage in self.stages:
             stage.on_booked(request, endpoint)
 
+    def prefix_cached(self, token_ids: list[int], block_size: int, lora_name: str | None = None) -> bool:
+        """Whether every full block of `token_ids` (a prompt's first tokens) is cached or pending on some worker: only
+        then can more of the prompt match (the frontend tokenizes a long prompt only that far, orchestrator/prepare.py).
+        True with no full block yet (nothing tells)."""
+        index = self.policy.index
+        hashes = block_hashes_view(token_ids, block_size, lora_name)
+        if index is None or not len(hashes):
+            return True
+        matches = index.find_matches(hashes)
+        return bool(matches) and max(matches.values()) >= len(hashes)
+
     def on_first_token(self, request_id: str) -> None:
         self.loads.on_first_token(request_id)
 

@@ -14,7 +14,7 @@ class RouteRequest:
 
     request_id: str
     model: str
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the prompt's ids, or its first ones (see prompt_tokens)
     max_tokens: int = 0
     lora_name: str | None = None  # a LoRA adapter's name: seeds the block hashes (router/hashing.py)
     session_id: str | None = None  # a client's conversation id (x-session-id): read by session affinity
@@ -25,10 +25,13 @@ class RouteRequest:
     block_hashes: Sequence[int] | None = None  # chained hashes of the full blocks (router/hashing.py)
     hashed_block_size: int = 0  # the block size block_hashes were computed for
     overlap_blocks: dict[str, int] = field(default_factory=dict)  # worker_id -> cached prefix blocks
+    # the prompt's token count when token_ids holds only its first tokens (an estimate until the engine's usage
+    # says; orchestrator/prepare.py tokenizes a long prompt only as far as routing needs); -1: len(token_ids)
+    prompt_tokens: int = -1
 
     @property
     def isl(self) -> int:
-        return len(self.token_ids)
+        return self.prompt_tokens if self.prompt_tokens >= 0 else len(self.token_ids)
 
 
 @dataclass(slots=True)

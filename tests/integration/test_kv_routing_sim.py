@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 async def stack(tmp_path):
     port, base = free_port(), free_port() + 200
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--workers", "4", "--port", str(port), "--grpc-port", "0",
-                             "--base-port", str(base), "--policy", "kv", "--speedup", "2"],
+                             "--base-port", str(base), "--policy", "kv", "--speedup", "2", "--max-model-len", "32768"],
                             stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp_path, env=admin_env())
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
@@ -104,3 +104,29 @@ async def test_hot_prefix_spreads_under_load(stack):
     assert len(counts) >= 2, counts  # not everything on the one worker holding the prefix
     chosen_blocks, best_blocks = router_blocks((await client.get(url + "/metrics")).text)
     assert best_blocks > chosen_blocks  # the spread shows as affinity given up for load
+
+
+def metric_sum(metrics_text: str, name: str) -> float:
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics_text.splitlines() if ln.startswith(name + "{"))
+
+
+async def test_a_lazily_tokenized_prompt_is_counted_as_the_engine_counted_it(stack):
+    """A long new prompt is tokenized only as far as routing needs (orchestrator/prepare.py): its count in the
+    frontend's metrics is the engine's, not the estimate it routed with."""
+    client, url, _ = stack
+    before = metric_sum((await client.get(url + "/metrics")).text, "kvyard_input_sequence_tokens_sum")
+    counted = 0
+    for i, stream in enumerate((False, True, False)):
+        body = {"model": "kvyard-sim", "prompt": prefix(500 + i) + "\nNaïve café, 中文 😀.", "max_tokens": 3}
+        if stream:
+            async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                assert r.status_code == 200
+                usage = [ln for ln in [x async for x in r.aiter_lines()] if '"usage"' in ln and '"prompt_tokens"' in ln]
+            counted += httpx.Response(200, content=usage[-1][6:]).json()["usage"]["prompt_tokens"]
+        else:
+            r = await client.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            counted += r.json()["usage"]["prompt_tokens"]
+    assert counted > 3 * 1900
+    after = metric_sum((await client.get(url + "/metrics")).text, "kvyard_input_sequence_tokens_sum")
+    assert after - before == counted

@@ -142,6 +142,28 @@ async def test_chat_stream_migrated_as_chat_chunks(frontend):
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_a_lazily_tokenized_prompt_migrates_with_every_prompt_id(frontend):
+    """A long prompt on event-fed workers is tokenized only as far as routing needs (orchestrator/prepare.py); a
+    migration tokenizes the rest: the continuation's prompt is still exactly the prompt's ids + the generated ones."""
+    client, disc = frontend
+    a, b = two_engines([{"break_after": 2}])
+    with a, b:
+        await add(disc, client, *(WorkerInfo(**{**winfo(w, e.url).__dict__, "max_model_len": 65536}) for w, e in (("a", a), ("b", b))))
+        index = client.app.state.service.router.kv_index
+        for w in ("a", "b"):
+            index.add_worker(w)  # as if each published KV events
+        doc = " ".join(f"Line {i} of a long document nobody sent before." for i in range(400))
+        msgs = [{"role": "user", "content": doc}]
+        full = TOK.encode_chat(msgs)
+        r = await client.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "max_tokens": 6, "stream": True,
+                                                            "stream_options": {"include_usage": True}})
+        events = sse(r.text)
+        cont = next(q for e in (a, b) for q in e.requests if q["path"] == "/v1/completions")
+        assert cont["body"]["prompt"] == full + TOK.encode(WORDS[0] + WORDS[1], add_special_tokens=False)
+        usage = [e for e in events[:-1] if not e["choices"]]
+        assert usage[0]["usage"]["prompt_tokens"] == len(full) and usage[0]["usage"]["completion_tokens"] == 6
+
+
 async def test_vllm_token_ids_used_and_hidden(frontend):
     """On vLLM workers the frontend asks for token ids: the continuation uses the engine's ids (not a
     re-tokenization), and the client never sees them."""

@@ -159,7 +159,7 @@ async def test_long_chat_prompts_through_the_preparer_are_exact(tok):
     try:
         for _ in range(3):
             req = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
-            ids, _ = await prep.prompt_ids(req, "m", 1 << 20)
+            ids = (await prep.prompt_ids(req, "m", 1 << 20)).ids
             assert ids == tok.encode_chat(msgs)
             msgs = msgs + [{"role": "assistant", "content": _self_test_text(rng, 50)}, {"role": "user", "content": "and?"}]
         assert prep.chunked(tok).hits > 0
@@ -196,3 +196,107 @@ def test_a_gpt2_style_tokenizer_qualifies_and_chunks_exactly():
         cuts = exact_cuts(text, 1)
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
         assert [i for e in t.encode_batch(pieces, add_special_tokens=False) for i in e.ids] == t.encode(text, add_special_tokens=False).ids
+
+
+# ---- lazy: a long prompt tokenized only as far as routing needs (orchestrator/prepare.py, 4)
+
+def test_lazy_begin_tokenizes_the_first_new_chunk_and_the_rest_on_its_second_sight(tok):
+    rng = random.Random(21)
+    text = _self_test_text(rng, 6000)
+    want = whole(tok, text)
+    cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
+    assert cached.lazy(text, False)
+    p = cached.begin(text, False)
+    assert len(p.chunks) > 4 and p.done == 1 and not p.complete  # never seen: its first chunk only
+    assert p.ids == want[:len(p.ids)] and p.ids  # exactly the whole text's first tokens
+    assert len(want) <= p.upper and p.estimate() <= p.upper
+    assert 0.5 < p.estimate() / len(want) < 2
+    cached.extend(p, 2)
+    assert p.done == 3 and p.ids == want[:len(p.ids)]
+    cached.extend(p, 1000)
+    assert p.complete and p.ids == want and p.estimate() == len(want)
+    again = cached.begin(text, False)  # every chunk seen (or cached) before: all of it, as a copy sent meanwhile needs
+    assert again.complete and again.ids == want
+    longer = text + "\nanother question about it"
+    p2 = cached.begin(longer, False)  # the shared chunks and one more (where the new text starts)
+    assert p2.complete and p2.ids == whole(tok, longer)
+
+
+def test_lazy_first_zero_tokenizes_nothing_and_bounds_the_count(tok):
+    text = "naïve café 中文 😀 words\n" * 400
+    cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
+    p = cached.begin(text, False, first=0)
+    assert p.ids == [] and p.done == 0 and not p.complete
+    n = len(whole(tok, text))
+    assert n <= p.upper == len(text.encode())  # no normalizer: a token covers at least one byte
+    assert p.estimate() <= p.upper
+
+
+def test_lazy_does_not_apply_where_chunking_does_not(tok):
+    cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
+    assert not cached.lazy("short\ntext", False)  # under two chunks
+    assert not ChunkedTokenizer(tok, 0).lazy("a\nb" * 2000, False)  # cache off
+
+
+async def _prep_and_request(tok, msgs, **fields):
+    from orchestrator.prepare import PromptPreparer
+    from orchestrator.protocol import ChatCompletionRequest
+
+    class Pool:
+        def tokenizer_dir(self, model):
+            return str(SIM_TOKENIZER_DIR)
+
+    return PromptPreparer(Pool(), cache_tokens=1_000_000, **fields), ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
+
+
+async def test_the_preparer_goes_on_while_the_probe_matches_and_completes_on_demand(tok):
+    from orchestrator.prepare import EAGER
+
+    rng = random.Random(22)
+    msgs = [{"role": "user", "content": _self_test_text(rng, 12000)}]
+    want = tok.encode_chat(msgs)
+    prep, req = await _prep_and_request(tok, msgs)
+    try:
+        seen: list[int] = []
+
+        def probe(ids):  # "cached somewhere" for the first 1,000 tokens
+            seen.append(len(ids))
+            return len(ids) < 1000
+
+        p = await prep.prompt_ids(req, "m", 1 << 20, probe=probe)
+        assert not p.complete and p.ids == want[:len(p.ids)] and len(p.ids) >= 1000 and seen[-1] == len(p.ids)
+        assert len(seen) >= 2 and seen == sorted(seen)  # asked again after each step
+        assert p.obtainable and 0.5 < p.count / len(want) < 2 and len(want) <= p.upper
+        assert await prep.complete(p) == want and p.complete and p.count == len(want)
+        none = await prep.prompt_ids(req, "m", 1 << 20, probe=None)  # no index: no ids at all
+        assert none.ids == [] and not none.complete and none.obtainable
+        eager = await prep.prompt_ids(req, "m", 1 << 20, probe=EAGER)
+        assert eager.complete and eager.ids == want
+    finally:
+        prep.close()
+
+
+async def test_a_lazy_prompt_near_a_limit_is_counted_exactly(tok):
+    from orchestrator.errors import ContextLengthError
+
+    rng = random.Random(23)
+    msgs = [{"role": "user", "content": _self_test_text(rng, 12000)}]
+    want = tok.encode_chat(msgs)
+    prep, req = await _prep_and_request(tok, msgs)
+    try:
+        ctx = len(want) + 10  # fits, but under the byte bound: counted exactly
+        p = await prep.prompt_ids(req, "m", ctx, probe=lambda ids: False)
+        assert p.complete and p.ids == want and p.count == len(want)
+        with pytest.raises(ContextLengthError):
+            await prep.prompt_ids(req, "m", len(want) - 1, probe=lambda ids: False)
+        assert (await prep.prompt_ids(req, "m", 1 << 20, probe=lambda ids: False)).complete  # every chunk cached now
+        fresh = type(req).model_validate({"model": "m", "messages": [{"role": "user", "content": _self_test_text(rng, 12000)}]})
+        assert not (await prep.prompt_ids(fresh, "m", 1 << 20, probe=lambda ids: False)).complete  # far from it: lazy
+    finally:
+        prep.close()
+    capped, req2 = await _prep_and_request(tok, msgs, max_tokens_cap=1 << 19)
+    try:  # a cap filled in as max_tokens needs ctx - count: exact when the bound leaves less than the cap
+        p = await capped.prompt_ids(req2, "m", (1 << 19) + len(want) + 5, probe=lambda ids: False)
+        assert p.complete and p.count == len(want)
+    finally:
+        capped.close()

@@ -282,3 +282,22 @@ def test_remove_worker_drops_its_index_entries(impl):
     cache(r.kv_index, "w0", PREFIX)
     r.remove_worker("w0")
     assert r.kv_index.find_matches(block_hashes(PREFIX, BS)) == {}
+
+
+def test_prefix_cached_tells_whether_more_of_a_prompt_could_match():
+    index = KvIndex()
+    router = Router(build_policy("kv", index=index))
+    for w in ("w0", "w1"):
+        index.add_worker(w, block_size=BS)
+    cache(index, "w0", PREFIX[:1600])  # 100 blocks on w0
+    assert router.prefix_cached(PREFIX[:1600], BS) and router.prefix_cached(PREFIX[:1610], BS)  # a partial block: not judged
+    assert router.prefix_cached(PREFIX[:5], BS)  # no full block yet: nothing tells
+    assert not router.prefix_cached(PREFIX[:1616], BS)  # block 101 is nowhere: nothing past it can match
+    assert not router.prefix_cached(PREFIX[:1600], BS, lora_name="a")  # an adapter's blocks hash apart
+    assert not Router(build_policy("kv", index=KvIndex())).prefix_cached(PREFIX[:32], BS)  # an empty index
+    assert Router("round-robin").prefix_cached(PREFIX, BS)  # no index: it has no say
+    req = RouteRequest("r", "m", token_ids=PREFIX[:160], prompt_tokens=3000)  # the first tokens of a lazy prompt
+    router.route(req, eps(2))
+    assert req.isl == 3000 and req.overlap_blocks == {"w0": 10}
+    index.add_worker("w2", approximate=True)
+    assert index.event_fed("w0") and not index.event_fed("w2") and not index.event_fed("nobody")
