@@ -1,6 +1,6 @@
 """A validated request's prompt tokens and limits, without stalling the event loop.
 
-    prompt = await prep.prompt_ids(req, model, ctx, spec, probe)  # 400 context_length_exceeded when it cannot fit
+    prompt = await prep.prompt_ids(req, model, ctx, spec, how_far)  # 400 context_length_exceeded when it cannot fit
     prep.check_lengths(req, prompt.count, ctx)                    # max_tokens against the context and the cap
     body, max_tokens = prep.fill_max_tokens(req, body, prompt.count, ctx)
     ids = await prep.complete(prompt)                             # all the ids (a migration needs them)
@@ -26,7 +26,7 @@ for 12.6 s):
      limit needs its exact length (UTF-8 bytes bound its tokens from above: `PartialIds.upper`) or the stream
      migrates (`complete`). The token count routing and load use is then an estimate; the engine's usage
      replaces it when the request ends (orchestrator/service.py). The kv policy's probe asks its index; a policy
-     without one (round-robin, least-loaded) needs no ids (`probe=None`), and `probe=EAGER` tokenizes it all
+     without one (round-robin, least-loaded) needs no ids (probe None), and EAGER tokenizes it all
      (disaggregated models, workers without KV events whose predicted contents are the routed prompts).
 Measured (benchmarks/results/hostile_prompt.json): the longest loop stall an 8 MB prompt causes.
 """
@@ -50,7 +50,7 @@ from workers.multimodal import ContentError, MmTokenSpec, flatten_messages
 __all__ = ["PromptPreparer", "PromptTokens", "INLINE_CHARS", "EAGER"]
 
 INLINE_CHARS = 4096  # up to here a prompt is tokenized on the loop (a thread hop would cost more than the encode)
-EAGER = object()  # prompt_ids(probe=EAGER): every token, as routing with predicted cache contents needs
+EAGER = object()  # how_far() -> EAGER: every token, as routing with predicted cache contents needs
 
 Probe = Callable[[list[int]], bool]  # "every full block of these leading ids is cached on some worker"
 
@@ -134,10 +134,11 @@ class PromptPreparer:
         folder = self.pool.tokenizer_dir(model)
         return load_tokenizer(folder) if folder is not None else None
 
-    async def prompt_ids(self, req, model: str, ctx: int, mm_spec: MmTokenSpec | None = None, probe: Probe | None | object = EAGER) -> PromptTokens:
+    async def prompt_ids(self, req, model: str, ctx: int, mm_spec: MmTokenSpec | None = None,
+                         how_far: Callable[[], Probe | None | object] = lambda: EAGER) -> PromptTokens:
         """The prompt's tokens: the longest prompt's ids for a batch; a chat's image/audio parts become placeholder
-        runs (orchestrator/multimodal.py); no ids without a tokenizer (the engine checks lengths). A long prompt with
-        `probe` other than EAGER may come back incomplete (header, 4)."""
+        runs (orchestrator/multimodal.py); no ids without a tokenizer (the engine checks lengths). For a long prompt
+        `how_far()` is asked for the probe (header, 4): with one other than EAGER it may come back incomplete."""
         chat = isinstance(req, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         spec = mm_spec or MmTokenSpec()
@@ -162,7 +163,8 @@ class PromptPreparer:
         if chars > ctx * tok.max_chars_per_token:
             raise _too_long(ctx, None, chars, param)
 
-        lazy = probe is not EAGER and chars > INLINE_CHARS and (chat or len(texts) == 1)
+        probe = how_far() if chars > INLINE_CHARS and (chat or len(texts) == 1) else EAGER  # asked only for long ones
+        lazy = probe is not EAGER
 
         def tokenize() -> tuple[int, list[int] | None, list] | PromptTokens:
             # long prompts (tokenized off the loop): the same ids as tok's, from cached chunks where it can

@@ -302,7 +302,7 @@ class InferenceService:
         try:  # long prompts are tokenized off the loop, and only as far as routing needs (prepare.py)
             with self.tracing.span("kvyard.tokenize"):  # tracing hook
                 prompt = await self.prep.prompt_ids(req, model, ctx, self.cfg.multimodal.spec(),
-                                                    self._tokenize_until(model, adapter.name if adapter is not None else None))
+                                                    lambda: self._tokenize_until(model, adapter.name if adapter is not None else None))
             ids, mm_items = prompt.ids, prompt.mm_items
             self.prep.check_lengths(req, prompt.count, ctx)
             body, max_tokens = self.prep.fill_max_tokens(req, body, prompt.count, ctx)
@@ -734,6 +734,8 @@ class InferenceService:
         """Close the books on a request, on every path: router load, admission slot, metrics, telemetry."""
         duration = time.perf_counter() - t0
         access_log.note(output_tokens=osl, ttft_at=t0 + ttft_s if ttft_s is not None else None)  # access-log hook
+        if rreq.prompt_tokens >= 0:  # a lazily tokenized prompt: the engine's count, once its usage said it
+            access_log.note(prompt_tokens=rreq.prompt_tokens)
         self.router.on_complete(rreq.request_id)
         if rreq.lora_name and self.lora is not None:
             self.lora.end(rreq.request_id)

@@ -263,14 +263,14 @@ async def test_the_preparer_goes_on_while_the_probe_matches_and_completes_on_dem
             seen.append(len(ids))
             return len(ids) < 1000
 
-        p = await prep.prompt_ids(req, "m", 1 << 20, probe=probe)
+        p = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: probe)
         assert not p.complete and p.ids == want[:len(p.ids)] and len(p.ids) >= 1000 and seen[-1] == len(p.ids)
         assert len(seen) >= 2 and seen == sorted(seen)  # asked again after each step
         assert p.obtainable and 0.5 < p.count / len(want) < 2 and len(want) <= p.upper
         assert await prep.complete(p) == want and p.complete and p.count == len(want)
-        none = await prep.prompt_ids(req, "m", 1 << 20, probe=None)  # no index: no ids at all
+        none = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: None)  # no index: no ids at all
         assert none.ids == [] and not none.complete and none.obtainable
-        eager = await prep.prompt_ids(req, "m", 1 << 20, probe=EAGER)
+        eager = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: EAGER)
         assert eager.complete and eager.ids == want
     finally:
         prep.close()
@@ -285,18 +285,18 @@ async def test_a_lazy_prompt_near_a_limit_is_counted_exactly(tok):
     prep, req = await _prep_and_request(tok, msgs)
     try:
         ctx = len(want) + 10  # fits, but under the byte bound: counted exactly
-        p = await prep.prompt_ids(req, "m", ctx, probe=lambda ids: False)
+        p = await prep.prompt_ids(req, "m", ctx, how_far=lambda: lambda ids: False)
         assert p.complete and p.ids == want and p.count == len(want)
         with pytest.raises(ContextLengthError):
-            await prep.prompt_ids(req, "m", len(want) - 1, probe=lambda ids: False)
-        assert (await prep.prompt_ids(req, "m", 1 << 20, probe=lambda ids: False)).complete  # every chunk cached now
+            await prep.prompt_ids(req, "m", len(want) - 1, how_far=lambda: lambda ids: False)
+        assert (await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: lambda ids: False)).complete  # every chunk cached now
         fresh = type(req).model_validate({"model": "m", "messages": [{"role": "user", "content": _self_test_text(rng, 12000)}]})
-        assert not (await prep.prompt_ids(fresh, "m", 1 << 20, probe=lambda ids: False)).complete  # far from it: lazy
+        assert not (await prep.prompt_ids(fresh, "m", 1 << 20, how_far=lambda: lambda ids: False)).complete  # far from it: lazy
     finally:
         prep.close()
     capped, req2 = await _prep_and_request(tok, msgs, max_tokens_cap=1 << 19)
     try:  # a cap filled in as max_tokens needs ctx - count: exact when the bound leaves less than the cap
-        p = await capped.prompt_ids(req2, "m", (1 << 19) + len(want) + 5, probe=lambda ids: False)
+        p = await capped.prompt_ids(req2, "m", (1 << 19) + len(want) + 5, how_far=lambda: lambda ids: False)
         assert p.complete and p.count == len(want)
     finally:
         capped.close()
