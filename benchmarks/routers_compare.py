@@ -669,8 +669,13 @@ def write_report(out: dict, name: str) -> None:
     wl = out["workloads"]
     if "trace" in wl:
         t = wl["trace"]
-        sl = (f"the {t['requests']} multi-turn rows (≥ {t['min_shared_blocks']} leading 512-token blocks shared with another "
-              f"row) of the first {t['window']:,}" if t.get("window") else f"the first {t['requests']}")
+        if not t.get("window"):
+            sl = f"the first {t['requests']}"
+        elif t["min_shared_blocks"]:
+            sl = (f"the {t['requests']} multi-turn rows (≥ {t['min_shared_blocks']} leading 512-token blocks shared with "
+                  f"another row) of the first {t['window']:,}")
+        else:
+            sl = f"the {t['requests']} rows (shared leading blocks or not) of the first {t['window']:,}"
         md += [f"## Trace: {sl} Mooncake conversation requests (ISL mean {t['isl_mean']:,}, max "
                f"{t['isl_max']:,} tokens; shared prefixes), {t['span_s']} s open loop (trace time / {t['compression']:g}), "
                f"engines at speed-up {t['speedup']:g}, OSL × {t['osl_scale']:g}", ""]
