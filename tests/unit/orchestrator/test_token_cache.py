@@ -238,24 +238,29 @@ def test_lazy_does_not_apply_where_chunking_does_not(tok):
     assert not ChunkedTokenizer(tok, 0).lazy("a\nb" * 2000, False)  # cache off
 
 
-async def _prep_and_request(tok, msgs, **fields):
+def _preparer(**fields):
     from orchestrator.prepare import PromptPreparer
-    from orchestrator.protocol import ChatCompletionRequest
 
     class Pool:
         def tokenizer_dir(self, model):
             return str(SIM_TOKENIZER_DIR)
 
-    return PromptPreparer(Pool(), cache_tokens=1_000_000, **fields), ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
+    return PromptPreparer(Pool(), cache_tokens=1_000_000, **fields)
+
+
+def _long_chat(tok, rng: random.Random):
+    """(request, its exact ids): a 12k-character chat nobody sent before."""
+    from orchestrator.protocol import ChatCompletionRequest
+
+    msgs = [{"role": "user", "content": _self_test_text(rng, 12000)}]
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": msgs}), tok.encode_chat(msgs)
 
 
 async def test_the_preparer_goes_on_while_the_probe_matches_and_completes_on_demand(tok):
     from orchestrator.prepare import EAGER
 
-    rng = random.Random(22)
-    msgs = [{"role": "user", "content": _self_test_text(rng, 12000)}]
-    want = tok.encode_chat(msgs)
-    prep, req = await _prep_and_request(tok, msgs)
+    req, want = _long_chat(tok, random.Random(22))
+    prep = _preparer()
     try:
         seen: list[int] = []
 
@@ -280,9 +285,8 @@ async def test_a_lazy_prompt_near_a_limit_is_counted_exactly(tok):
     from orchestrator.errors import ContextLengthError
 
     rng = random.Random(23)
-    msgs = [{"role": "user", "content": _self_test_text(rng, 12000)}]
-    want = tok.encode_chat(msgs)
-    prep, req = await _prep_and_request(tok, msgs)
+    req, want = _long_chat(tok, rng)
+    prep = _preparer()
     try:
         ctx = len(want) + 10  # fits, but under the byte bound: counted exactly
         p = await prep.prompt_ids(req, "m", ctx, how_far=lambda: lambda ids: False)
@@ -290,13 +294,13 @@ async def test_a_lazy_prompt_near_a_limit_is_counted_exactly(tok):
         with pytest.raises(ContextLengthError):
             await prep.prompt_ids(req, "m", len(want) - 1, how_far=lambda: lambda ids: False)
         assert (await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: lambda ids: False)).complete  # every chunk cached now
-        fresh = type(req).model_validate({"model": "m", "messages": [{"role": "user", "content": _self_test_text(rng, 12000)}]})
+        fresh, _ = _long_chat(tok, rng)
         assert not (await prep.prompt_ids(fresh, "m", 1 << 20, how_far=lambda: lambda ids: False)).complete  # far from it: lazy
     finally:
         prep.close()
-    capped, req2 = await _prep_and_request(tok, msgs, max_tokens_cap=1 << 19)
+    capped = _preparer(max_tokens_cap=1 << 19)
     try:  # a cap filled in as max_tokens needs ctx - count: exact when the bound leaves less than the cap
-        p = await capped.prompt_ids(req2, "m", (1 << 19) + len(want) + 5, how_far=lambda: lambda ids: False)
+        p = await capped.prompt_ids(req, "m", (1 << 19) + len(want) + 5, how_far=lambda: lambda ids: False)
         assert p.complete and p.count == len(want)
     finally:
         capped.close()
