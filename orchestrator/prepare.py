@@ -194,6 +194,7 @@ class PromptPreparer:
             p = got.partial
             while not p.complete and probe is not None and probe(p.ids):  # the index matches it all so far: go on
                 await loop.run_in_executor(self._executor, got.chunked.extend, p, max(1, p.done))  # doubling
+                got.ids = p.ids
             want = req.requested_max_tokens() or 0
             if not p.complete and (p.upper + want > ctx or (want == 0 and self.max_tokens_cap and ctx - p.upper < self.max_tokens_cap)):
                 await self.complete(got)  # a limit needs the exact count
@@ -216,7 +217,7 @@ class PromptPreparer:
         p = prompt.partial
         if p is not None and not p.complete:
             await asyncio.get_running_loop().run_in_executor(self._executor, prompt.chunked.extend, p, len(p.chunks))
-            prompt.count = len(p.ids)
+            prompt.ids, prompt.count = p.ids, len(p.ids)
         return prompt.ids
 
     def check_lengths(self, req, n_prompt: int, ctx: int) -> None:

@@ -183,17 +183,28 @@ class PartialIds:
     character-level model covers at least one UTF-8 byte (one of the text after NFC normalizing, which is at most
     3x longer; other normalizers never reach here, see ChunkedTokenizer.lazy)."""
 
+    text: str
     chunks: list[str]
     ids: list[int]
     done: int
     done_chars: int
-    chars: int
-    upper: int
+    expand: int  # 3 under NFC, else 1
     ratio: float  # tokens per character, to estimate the rest (of this prompt's tokenized part, else the cache's)
+    _upper: int = -1
+
+    @property
+    def chars(self) -> int:
+        return len(self.text)
 
     @property
     def complete(self) -> bool:
         return self.done == len(self.chunks)
+
+    @property
+    def upper(self) -> int:
+        if self._upper < 0:  # only an incomplete prompt asks (a limit check): the UTF-8 length, once
+            self._upper = len(self.text.encode("utf-8", "surrogatepass")) * self.expand
+        return self._upper
 
     def estimate(self) -> int:
         """The token count: exact when complete, else the tokenized part's plus the rest at its ratio (<= upper)."""
@@ -239,17 +250,20 @@ class ChunkedTokenizer:
         """Tokenize the start of `text` only (lazy() must be true). With `first` None: the leading chunks that are
         cached or were seen before (in an earlier prompt that left them untokenized), and one chunk more; the rest
         is remembered as seen. The router's prefix match cannot reach past a chunk no prompt has held before, unless
-        the index (fed by every engine) says so; the caller asks for more with `extend` while it does. With `first`:
-        that many chunks."""
+        the index (fed by every engine) says so; the caller asks for more with `extend` while it does. A rest under
+        a quarter of the text (and under 4 chunks) is tokenized at once: a conversation's new turn, where another
+        step would cost more than it saves. With `first`: that many chunks."""
         cuts = exact_cuts(text, self.chunk_chars)
         chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        upper = len(text.encode("utf-8", "surrogatepass")) * self._expand
-        p = PartialIds(chunks, [], 0, 0, len(text), upper, self._enc_tokens / self._enc_chars)
+        p = PartialIds(text, chunks, [], 0, 0, self._expand, self._enc_tokens / self._enc_chars)
         if first is None:
             keys = [hash(c) for c in chunks]
             with self._lock:
                 lru, seen = self._lru, self._seen
                 first = next((i for i, (c, k) in enumerate(zip(chunks, keys)) if c not in lru and k not in seen), len(chunks) - 1) + 1
+                rest = len(text) - cuts[first - 1] if first < len(chunks) else 0
+                if rest <= min(4 * self.chunk_chars, len(text) // 4):
+                    first = len(chunks)
                 for k in keys[first:]:
                     seen[k] = None
                     seen.move_to_end(k)
@@ -261,7 +275,10 @@ class ChunkedTokenizer:
         """Tokenize `more` chunks past the ones done (cached ones cost a lookup)."""
         start, stop = p.done, min(len(p.chunks), p.done + more)
         ids = self._ids_of(p.chunks[start:stop])
-        p.ids.extend(ids)
+        if p.ids:
+            p.ids.extend(ids)
+        else:  # the first step: the list as made (no copy); PromptTokens (prepare.py) takes p.ids after each step
+            p.ids = ids
         p.done_chars += sum(map(len, p.chunks[start:stop]))
         p.done = stop
         return p

@@ -220,6 +220,11 @@ def test_lazy_begin_tokenizes_the_first_new_chunk_and_the_rest_on_its_second_sig
     longer = text + "\nanother question about it"
     p2 = cached.begin(longer, False)  # the shared chunks and one more (where the new text starts)
     assert p2.complete and p2.ids == whole(tok, longer)
+    turn = longer + "\n" + _self_test_text(rng, 700)  # a new turn of ~3 chunks: at once, not in another step
+    p3 = cached.begin(turn, False)
+    assert p3.complete and p3.ids == whole(tok, turn)
+    fresh = _self_test_text(rng, 600) + "\n" + text  # new text first: a prompt nobody sent, so its first chunk only
+    assert cached.begin(fresh, False).done == 1
 
 
 def test_lazy_first_zero_tokenizes_nothing_and_bounds_the_count(tok):
