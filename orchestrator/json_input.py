@@ -19,7 +19,7 @@ Speed (a long chat body is ~100 KB, parsed once per request): msgspec parses fir
 `json`); it is stricter than `json.loads`, never looser, so whatever it refuses (NaN and Infinity,
 numbers out of float range, a UTF-8 BOM, UTF-16/32 bodies, surrogate escapes, invalid UTF-8) is parsed
 again by `json.loads` and checked as before: the values accepted, and every error and its message,
-are `json.loads`'s (tests/unit/orchestrator/test_json_input.py). A body msgspec accepted holds no lone
+are `json.loads`'s (tests/unit/orchestrator/test_json_io.py). A body msgspec accepted holds no lone
 surrogate (it refuses them), so the Unicode check is skipped for it. Brackets are counted with numpy
 (~6x faster than two bytes.count).
 """
@@ -77,10 +77,13 @@ def load_json(raw: bytes | str, what: str = "request body") -> Any:
         value = _fast_decode(raw)
     except Exception:  # anything msgspec refuses: json.loads decides, and words any error, exactly as before
         return _load_json_slow(raw, what)
-    data = raw.encode("utf-8") if isinstance(raw, str) else raw  # msgspec took it: no lone surrogate in it
+    _check_depth(value, raw.encode("utf-8") if isinstance(raw, str) else raw, what)  # msgspec took it: no lone surrogate
+    return value
+
+
+def _check_depth(value: Any, data: bytes, what: str) -> None:
     if isinstance(value, (dict, list)) and _brackets(data) > MAX_JSON_DEPTH and json_depth_over(value):
         raise BadRequestError(f"{what} is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)")
-    return value
 
 
 def _load_json_slow(raw: bytes | str, what: str) -> Any:
@@ -91,8 +94,7 @@ def _load_json_slow(raw: bytes | str, what: str) -> Any:
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise BadRequestError(f"{what} is not valid JSON: {exc}") from None
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    if isinstance(value, (dict, list)) and _brackets(data) > MAX_JSON_DEPTH and json_depth_over(value):
-        raise BadRequestError(f"{what} is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)")
+    _check_depth(value, data, what)
     if _SURROGATE_ESCAPE.search(data) or (isinstance(raw, str) and not raw.isascii()):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")

@@ -70,10 +70,6 @@ class PromptTokens:
         return self.partial is None or self.partial.complete
 
     @property
-    def upper(self) -> int:
-        return self.count if self.partial is None or self.partial.complete else self.partial.upper
-
-    @property
     def obtainable(self) -> bool:
         """The ids are known or can be had (a tokenizer was there)."""
         return bool(self.ids) or not self.complete
@@ -170,7 +166,7 @@ class PromptPreparer:
             # long prompts (tokenized off the loop): the same ids as tok's, from cached chunks where it can
             cached = self.chunked(tok) if chars > INLINE_CHARS else tok
             if texts is not None:
-                if lazy and cached.lazy(texts[0], True):
+                if lazy and cached.chunkable(texts[0], True):
                     return self._begin(cached, texts[0], True, probe)
                 return (*max((cached.count_or_ids(t, ctx) for t in texts), key=lambda r: r[0]), [])
             try:
@@ -179,7 +175,7 @@ class PromptPreparer:
                 raise BadRequestError(str(exc), param=exc.param) from exc
             if not items:  # the template carries any special tokens, as vLLM does for chat
                 text = tok.render_chat(flat)
-                if lazy and cached.lazy(text, False):
+                if lazy and cached.chunkable(text, False):
                     return self._begin(cached, text, False, probe)
                 return (*cached.count_or_ids(text, ctx, add_special_tokens=False), [])
             ids, items = chat_prompt(_GilFree(tok), msgs, spec)

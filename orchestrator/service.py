@@ -92,8 +92,7 @@ class Dispatched:
     path: str = ""
     body: dict = field(default_factory=dict)  # the client's request as forwarded (before stream_options)
     payload: bytes = b""  # what the engines were sent
-    prompt_ids: list[int] = field(default_factory=list)  # all of them once `prompt` is complete
-    prompt: PromptTokens | None = None
+    prompt: PromptTokens = field(default_factory=PromptTokens)  # its ids: all of them once complete
     max_tokens: int | None = None
     blocker: str | None = None  # why the request cannot be migrated, None if it can
     strip_ids: bool = False  # the frontend asked the engine for token ids the client did not ask for
@@ -357,7 +356,7 @@ class InferenceService:
         send_body = self._engine_fields(send_body, info, adapter, mm_items, priority[0])
         payload = json.dumps(send_body).encode()
         d = Dispatched(rreq, endpoints[0], None, req.stream, req.include_usage, t0, kind=kind, path=path, body=body,  # type: ignore[arg-type]
-                       payload=payload, prompt_ids=ids, prompt=prompt, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
+                       payload=payload, prompt=prompt, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
                        deadline=t0 + self.cfg.resilience.request_timeout_s, ticket=ticket)
         self.metrics.inflight.labels(model).inc()
         try:
@@ -633,12 +632,11 @@ class InferenceService:
             raise end("refused", f"the engine stream failed mid-way; this request cannot be continued elsewhere ({d.blocker})")
         if tracker.blocked:
             raise end("refused", f"the engine stream failed mid-way; this request cannot be continued elsewhere ({tracker.blocked})")
-        if d.prompt is not None and not d.prompt.complete:  # tokenized lazily: the continuation needs every id
-            d.prompt_ids = await self.prep.complete(d.prompt)
+        prompt_ids = await self.prep.complete(d.prompt)  # tokenized lazily: the continuation needs every id
         encode = self._encoder(model)
         gen_ids, _exact = tracker.generated_ids(encode)
         n_gen = len(gen_ids) if gen_ids is not None else tracker.events
-        prompt_tokens = len(d.prompt_ids) if d.prompt_ids else 0
+        prompt_tokens = len(prompt_ids)
         if tracker.finish_reason is not None or (d.max_tokens is not None and n_gen >= d.max_tokens):
             # everything was generated; only the final chunk, the usage or [DONE] was lost
             tail = b""
@@ -656,7 +654,7 @@ class InferenceService:
         endpoints = self._adapter_holders(d.rreq, [e for e in self.routable(model) if e.worker_id not in d.failed])
         if not endpoints:
             raise end("exhausted", "the engine stream failed mid-way and no other worker is available to continue it")
-        body = continuation_body(d.kind, d.body, d.prompt_ids, gen_ids, tracker.text, n_gen, d.max_tokens, d.strip_ids)
+        body = continuation_body(d.kind, d.body, prompt_ids, gen_ids, tracker.text, n_gen, d.max_tokens, d.strip_ids)
         payload = json.dumps(body).encode()
         rreq = RouteRequest(request_id=d.rreq.request_id, model=model,
                             token_ids=body["prompt"] if isinstance(body["prompt"], list) else [],

@@ -181,7 +181,7 @@ class PartialIds:
     `ids` are exactly the ids of `chunks[:done]` (the whole text's first tokens: every chunk ends at an exact cut).
     `upper` bounds the whole text's token count from above without tokenizing it: every token of a byte-level or
     character-level model covers at least one UTF-8 byte (one of the text after NFC normalizing, which is at most
-    3x longer; other normalizers never reach here, see ChunkedTokenizer.lazy)."""
+    3x longer; other normalizers never reach here, see ChunkedTokenizer.chunkable)."""
 
     text: str
     chunks: list[str]
@@ -241,20 +241,25 @@ class ChunkedTokenizer:
     def enabled(self) -> bool:
         return self.reason is None
 
-    def lazy(self, text: str, add_special_tokens: bool) -> bool:
-        """Whether `begin` applies to this text (else count_or_ids, which tokenizes it whole)."""
+    def chunkable(self, text: str, add_special_tokens: bool) -> bool:
+        """Whether this text is cut into cached chunks (`begin` applies; count_or_ids uses the chunks), else it is
+        tokenized whole."""
         return (self.reason is None and 2 * self.chunk_chars <= len(text) <= MAX_CHUNKED_CHARS
                 and not (add_special_tokens and not self._specials_free))
 
+    def _chunks(self, text: str) -> tuple[list[int], list[str]]:
+        """(the exact cuts, the chunks between them)."""
+        cuts = exact_cuts(text, self.chunk_chars)
+        return cuts, [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
     def begin(self, text: str, add_special_tokens: bool, first: int | None = None) -> PartialIds:
-        """Tokenize the start of `text` only (lazy() must be true). With `first` None: the leading chunks that are
+        """Tokenize the start of `text` only (chunkable() must be true). With `first` None: the leading chunks that are
         cached or were seen before (in an earlier prompt that left them untokenized), and one chunk more; the rest
         is remembered as seen. The router's prefix match cannot reach past a chunk no prompt has held before, unless
         the index (fed by every engine) says so; the caller asks for more with `extend` while it does. A rest under
         a quarter of the text (and under 4 chunks) is tokenized at once: a conversation's new turn, where another
         step would cost more than it saves. With `first`: that many chunks."""
-        cuts = exact_cuts(text, self.chunk_chars)
-        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        cuts, chunks = self._chunks(text)
         p = PartialIds(text, chunks, [], 0, 0, self._expand, self._enc_tokens / self._enc_chars)
         if first is None:
             keys = [hash(c) for c in chunks]
@@ -285,13 +290,11 @@ class ChunkedTokenizer:
 
     def count_or_ids(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
         """(token count, ids), the ids only when the count is at most `limit`: exactly the tokenizer's own answer."""
-        if (self.reason is not None or not 2 * self.chunk_chars <= len(text) <= MAX_CHUNKED_CHARS
-                or (add_special_tokens and not self._specials_free)):
+        if not self.chunkable(text, add_special_tokens):
             return self._tok.count_or_ids(text, limit, add_special_tokens)
-        cuts = exact_cuts(text, self.chunk_chars)
+        cuts, chunks = self._chunks(text)
         if not cuts:
             return self._tok.count_or_ids(text, limit, add_special_tokens)
-        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
         found, missing, encoded = self._lookup(chunks)
         n = sum(len(ids) for ids in found if ids is not None) + sum(len(e) for e in encoded)
         if n > limit:  # refused: no Python list of its ids is built (a hostile prompt), nothing of it is kept

@@ -96,8 +96,10 @@ class Router:
         then can more of the prompt match (the frontend tokenizes a long prompt only that far, orchestrator/prepare.py).
         True with no full block yet (nothing tells)."""
         index = self.policy.index
+        if index is None:
+            return True
         hashes = block_hashes_view(token_ids, block_size, lora_name)
-        if index is None or not len(hashes):
+        if not len(hashes):
             return True
         matches = index.find_matches(hashes)
         return bool(matches) and max(matches.values()) >= len(hashes)

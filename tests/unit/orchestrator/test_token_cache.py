@@ -205,7 +205,7 @@ def test_lazy_begin_tokenizes_the_first_new_chunk_and_the_rest_on_its_second_sig
     text = _self_test_text(rng, 6000)
     want = whole(tok, text)
     cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
-    assert cached.lazy(text, False)
+    assert cached.chunkable(text, False)
     p = cached.begin(text, False)
     assert len(p.chunks) > 4 and p.done == 1 and not p.complete  # never seen: its first chunk only
     assert p.ids == want[:len(p.ids)] and p.ids  # exactly the whole text's first tokens
@@ -239,8 +239,8 @@ def test_lazy_first_zero_tokenizes_nothing_and_bounds_the_count(tok):
 
 def test_lazy_does_not_apply_where_chunking_does_not(tok):
     cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
-    assert not cached.lazy("short\ntext", False)  # under two chunks
-    assert not ChunkedTokenizer(tok, 0).lazy("a\nb" * 2000, False)  # cache off
+    assert not cached.chunkable("short\ntext", False)  # under two chunks
+    assert not ChunkedTokenizer(tok, 0).chunkable("a\nb" * 2000, False)  # cache off
 
 
 def _preparer(**fields):
@@ -276,7 +276,7 @@ async def test_the_preparer_goes_on_while_the_probe_matches_and_completes_on_dem
         p = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: probe)
         assert not p.complete and p.ids == want[:len(p.ids)] and len(p.ids) >= 1000 and seen[-1] == len(p.ids)
         assert len(seen) >= 2 and seen == sorted(seen)  # asked again after each step
-        assert p.obtainable and 0.5 < p.count / len(want) < 2 and len(want) <= p.upper
+        assert p.obtainable and 0.5 < p.count / len(want) < 2 and len(want) <= p.partial.upper
         assert await prep.complete(p) == want and p.complete and p.count == len(want)
         none = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: None)  # no index: no ids at all
         assert none.ids == [] and not none.complete and none.obtainable
