@@ -111,9 +111,11 @@ class LocalCluster:
 
         Engines are started together, so a port taken by another program (or an outgoing connection's
         ephemeral port) would otherwise fail the whole `kvyard up`; the URL each worker registers is the one
-        it got, so frontends follow."""
+        it got, so frontends follow. The frontend's own ports are never given to an engine: the engines start
+        first, so a free check alone would hand `--port` to worker 0 when it equals `--base-port`."""
         if i not in self._ports:
-            taken = set(self._ports.values())
+            f = self.cfg.frontend
+            taken = set(self._ports.values()) | {f.port, f.grpc_port}
             port = self.cfg.base_port + i
             while port in taken or not port_is_free(port):
                 port += 1

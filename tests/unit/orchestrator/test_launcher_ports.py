@@ -30,3 +30,13 @@ def test_engine_ports_skip_a_port_in_use(tmp_path) -> None:
         assert ports == [base, base + 2, base + 3]
         assert cluster.engine_port(1) == base + 2  # stable once given
         assert cluster._engine_cfg(1).port == base + 2
+
+
+def test_engine_ports_skip_the_frontends_ports(tmp_path) -> None:
+    """`kvyard up --port P --base-port P` (or a gRPC port in the engines' range): the engines start before the
+    frontend binds, so a free check alone would give P to worker 0 and the frontend would then fail to bind."""
+    base = _free_run(5)
+    cfg = ClusterConfig(workers=3, backend="sim", base_port=base, log_dir=tmp_path,
+                        frontend={"port": base, "grpc_port": base + 2})
+    cluster = LocalCluster(cfg, InMemoryDiscovery())
+    assert [cluster.engine_port(i) for i in range(3)] == [base + 1, base + 3, base + 4]
