@@ -18,6 +18,7 @@ from orchestrator.loopwatch import LoopWatch
 from orchestrator.metrics import FrontendMetrics
 from orchestrator.pool import WorkerPool
 from orchestrator.routes import (
+    hot_routes,
     make_admin_router,
     make_cluster_router,
     make_dashboard_router,
@@ -150,7 +151,9 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
     if service.tracing.enabled:  # a SERVER span per inference request, its streamed body included
         app.add_middleware(TracingMiddleware, tracing=service.tracing)
     install_error_handlers(app, on_error=count_error)
-    app.include_router(make_openai_router(service, guard, pool, cfg.max_body_bytes, cfg.lora))
+    openai = make_openai_router(service, guard, pool, cfg.max_body_bytes, cfg.lora)
+    app.include_router(openai)
+    app.router.routes[0:0] = hot_routes(openai)  # matched first: the inference POSTs without FastAPI's per-request cost
     app.include_router(make_forwarded_router(PassThrough(service), guard, pool, cfg.max_body_bytes))
     app.include_router(make_ops_router(pool, metrics))
     app.include_router(make_cluster_router(admin, pool, router, ingestor, service))

@@ -2,12 +2,20 @@
 
 Each inference call is authorised (API key, rate limit; orchestrator/security/http.py), then served by the
 InferenceService (orchestrator/service.py): validation, routing, the engine call, relay, failover, migration.
+
+The two inference POSTs are also served by plain Starlette routes placed first in the app's route list
+(`hot_routes`): the same endpoint functions, but without FastAPI's per-request route context and dependency
+solving, which cost ~0.1 ms of a short request's ~1 ms of frontend CPU. Every middleware, exception handler
+and `scope["route"]` reader sees them as before; the FastAPI routes stay registered for the OpenAPI schema
+(and answer nothing, being matched second).
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.routing import APIRoute
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match, Route
 
 from orchestrator.features_view import model_cards
 from orchestrator.lora import LoraConfig
@@ -16,7 +24,7 @@ from orchestrator.security import InferenceGuard
 from orchestrator.security.http import authorize_inference, require_json
 from orchestrator.service import InferenceService
 
-__all__ = ["make_openai_router"]
+__all__ = ["hot_routes", "make_openai_router"]
 
 
 def make_openai_router(service: InferenceService, guard: InferenceGuard, pool: WorkerPool, max_body_bytes: int,
@@ -50,3 +58,22 @@ def make_openai_router(service: InferenceService, guard: InferenceGuard, pool: W
         return JSONResponse({"object": "list", "data": model_cards(pool, lora)})  # base models, then LoRA adapters
 
     return router
+
+
+INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class _HotRoute(Route):
+    """A Starlette route that, like FastAPI's, leaves itself in `scope["route"]` (error metrics read its path)."""
+
+    def matches(self, scope):
+        match, child = super().matches(scope)
+        if match is not Match.NONE:
+            child["route"] = self
+        return match, child
+
+
+def hot_routes(router: APIRouter) -> list[Route]:
+    """Plain routes for the inference POSTs of `router` (make_openai_router's), to insert before the app's routes."""
+    return [_HotRoute(r.path, r.endpoint, methods=["POST"], include_in_schema=False)
+            for r in router.routes if isinstance(r, APIRoute) and r.path in INFERENCE_PATHS]

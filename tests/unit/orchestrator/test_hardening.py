@@ -100,6 +100,45 @@ async def test_unmatched_paths_share_one_metric_label(stack):
     assert "unmatched" in labels and not any(lbl.startswith("/no/such") for lbl in labels)
 
 
+def endpoint_counted(app, endpoint: str, status: str) -> float:
+    return sum(s.value for fam in app.state.metrics.requests.collect() for s in fam.samples
+               if s.name.endswith("_total") and s.labels["endpoint"] == endpoint and s.labels["status"] == status)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_inference_posts_take_the_plain_route_and_keep_their_template(stack, path):
+    """The inference POSTs are served by plain Starlette routes placed first (orchestrator/routes/openai.py
+    hot_routes): errors still come back in the OpenAI shape, counted under the route template (not
+    "unmatched"), a wrong method is a 405, and the OpenAPI schema still lists the operation."""
+    from orchestrator.routes.openai import _HotRoute
+
+    client, disc, app = stack
+    assert isinstance(app.router.routes[0], _HotRoute)
+    served = []
+    hot = {r.path: r for r in app.router.routes if isinstance(r, _HotRoute)}
+    endpoint = hot[path].endpoint
+
+    async def spy(request):
+        served.append(request.scope["route"].path)
+        return await endpoint(request)
+
+    hot[path].app = __import__("starlette.routing", fromlist=["request_response"]).request_response(spy)
+    with FakeEngine() as eng:
+        await join(app, disc, winfo("a", eng.url, max_model_len=4096))
+        before = endpoint_counted(app, path, "400")
+        assert_openai_error(await client.post(path, content=b"{not json", headers=JSON), 400)
+        assert endpoint_counted(app, path, "400") == before + 1
+        assert served == [path]
+        body = {"model": "m", "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                   if "chat" in path else {"prompt": "hi"})}
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert served == [path, path]
+    assert_openai_error(await client.get(path), 405)
+    assert endpoint_counted(app, path, "405") == 1
+    assert path in app.openapi()["paths"]
+
+
 # ---- (6) engine-internal fields never reach the engine --------------------------------------------------------------
 
 async def test_engine_internal_fields_are_stripped(stack):
