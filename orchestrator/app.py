@@ -5,6 +5,7 @@ No request logic here (orchestrator/service.py) and no routes (orchestrator/rout
 
 from __future__ import annotations
 
+import inspect
 import logging
 from contextlib import asynccontextmanager
 
@@ -49,6 +50,12 @@ from planner.telemetry.targets import InMemoryTargetsStore, RedisTargetsStore
 __all__ = ["create_app", "make_discovery", "make_guards"]
 
 log = logging.getLogger("kvyard.frontend")
+
+# FastAPI's own OpenTelemetry instrumentation (newer releases) looks up the global tracer, meter and logger providers
+# on every request, and would add its own span per request beside kvyard's (orchestrator/tracing.py) wherever a
+# global provider is set. kvyard's tracing covers the inference routes; FastAPI's is turned off where it exists.
+_NO_FASTAPI_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                         if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
 
 def make_discovery(cfg: FrontendConfig) -> Discovery:
@@ -129,7 +136,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
                 await loopwatch.close()
             service.tracing.shutdown()  # the last spans flushed
 
-    app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan, **_NO_FASTAPI_TELEMETRY)
     app.state.cfg, app.state.pool, app.state.router, app.state.metrics = cfg, pool, router, metrics
     app.state.loopwatch = loopwatch
     app.state.service = service  # the request path (tests reach the disagg coordinator's books through it)

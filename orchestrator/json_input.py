@@ -64,8 +64,9 @@ def check_text(text: str, what: str, param: str | None = None) -> None:
 
 
 def _brackets(data: bytes) -> int:
-    """How many `[` and `{` bytes `data` holds (0x5B | 0x20 == 0x7B, and no other byte ORs to 0x7B)."""
-    return int(np.count_nonzero(np.frombuffer(data, np.uint8) | 0x20 == 0x7B)) if len(data) > MAX_JSON_DEPTH else data.count(b"[") + data.count(b"{")
+    """How many `[` and `{` bytes `data` holds (0x5B | 0x20 == 0x7B, and no other byte ORs to 0x7B). numpy's one pass
+    pays off past ~4 KiB: below, two `bytes.count` (~0.6 ns a byte) beat its ~2 us of call overhead."""
+    return int(np.count_nonzero(np.frombuffer(data, np.uint8) | 0x20 == 0x7B)) if len(data) > 4096 else data.count(b"[") + data.count(b"{")
 
 
 _fast_decode = msgspec.json.decode

@@ -358,7 +358,7 @@ class InferenceService:
         d = Dispatched(rreq, endpoints[0], None, req.stream, req.include_usage, t0, kind=kind, path=path, body=body,  # type: ignore[arg-type]
                        payload=payload, prompt=prompt, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
                        deadline=t0 + self.cfg.resilience.request_timeout_s, ticket=ticket)
-        self.metrics.inflight.labels(model).inc()
+        self.metrics.child(self.metrics.inflight, model).inc()
         try:
             if disagg:  # the disagg hook: prefill remotely (or not), then the decode response is relayed as usual
                 d.endpoint, d.resp = await disagg.send(rreq, send_body, payload, decision, path, req.stream)
@@ -375,11 +375,11 @@ class InferenceService:
             self.lora.begin(rid, ep.worker_id, adapter.name)
         if ids and ep.block_size:
             overlap = decision.overlap_of(ep)
-            self.metrics.overlap_blocks.labels(model).inc(overlap)
+            self.metrics.child(self.metrics.overlap_blocks, model).inc(overlap)
             if decision.overlap_blocks:
-                self.metrics.best_overlap_blocks.labels(model).inc(max(decision.overlap_blocks.values()))
-            self.metrics.prompt_blocks.labels(model).inc(prompt.count // ep.block_size)
-            self.metrics.kv_hit_rate.labels(model).observe(min(1.0, overlap * ep.block_size / max(1, prompt.count)))
+                self.metrics.child(self.metrics.best_overlap_blocks, model).inc(max(decision.overlap_blocks.values()))
+            self.metrics.child(self.metrics.prompt_blocks, model).inc(prompt.count // ep.block_size)
+            self.metrics.child(self.metrics.kv_hit_rate, model).observe(min(1.0, overlap * ep.block_size / max(1, prompt.count)))
         return d
 
     async def release(self, d: Dispatched, status: str) -> bytes:
@@ -509,7 +509,7 @@ class InferenceService:
         """
         d.relay_started = True
         rreq, t0, model = d.rreq, d.t0, d.rreq.model
-        itl = BatchedObserver(self.metrics.itl.labels(model))  # per-token: counted here, added in batches
+        itl = BatchedObserver(self.metrics.child(self.metrics.itl, model))  # per-token: counted here, added in batches
         tracker = StreamTracker() if d.blocker is None else None
         rewriter: ChunkRewriter | None = None
         migrations = 0
@@ -524,7 +524,7 @@ class InferenceService:
             self.router.on_first_token(rreq.request_id)  # this worker's booking moves from prefill to decode
             if first_at is None:
                 first_at = time.perf_counter()
-                self.metrics.ttft.labels(model).observe(first_at - t0)
+                self.metrics.child(self.metrics.ttft, model).observe(first_at - t0)
 
         try:
             while True:
@@ -590,7 +590,7 @@ class InferenceService:
             if d.resp is not None:
                 await d.resp.aclose()
             if final_usage:
-                self.metrics.osl.labels(model).observe(osl)
+                self.metrics.child(self.metrics.osl, model).observe(osl)
                 _settle_prompt_tokens(rreq, final_usage)
             ttft = first_at - t0 if first_at is not None else None
             self._finish(rreq, t0, status, ttft_s=ttft, osl=osl, ticket=d.ticket)
@@ -720,7 +720,7 @@ class InferenceService:
         try:
             usage = json.loads(content).get("usage") or {}
             osl = int(usage.get("completion_tokens", 0))
-            self.metrics.osl.labels(rreq.model).observe(osl)
+            self.metrics.child(self.metrics.osl, rreq.model).observe(osl)
             _settle_prompt_tokens(rreq, usage)
         except (ValueError, AttributeError, TypeError):
             pass
@@ -739,10 +739,10 @@ class InferenceService:
             self.lora.end(rreq.request_id)
         if ticket is not None:
             ticket.release()
-        self.metrics.inflight.labels(rreq.model).dec()
-        self.metrics.duration.labels(rreq.model).observe(duration)
-        self.metrics.isl.labels(rreq.model).observe(rreq.isl)
-        self.metrics.requests.labels(rreq.model, "generate", status).inc()
+        self.metrics.child(self.metrics.inflight, rreq.model).dec()
+        self.metrics.child(self.metrics.duration, rreq.model).observe(duration)
+        self.metrics.child(self.metrics.isl, rreq.model).observe(rreq.isl)
+        self.metrics.child(self.metrics.requests, rreq.model, "generate", status).inc()
         if self.telemetry is not None:
             self.telemetry.on_finish(rreq.model, ttft_s=ttft_s, duration_s=duration, isl=rreq.isl, osl=osl, ok=status == "ok")
 

@@ -64,3 +64,18 @@ def test_falls_back_to_observe_without_the_child_layout():
     b.observe(0.5)
     b.flush()
     assert seen == [0.5]
+
+
+def test_metric_children_are_remembered_and_the_same_series():
+    from orchestrator.metrics import FrontendMetrics
+
+    m = FrontendMetrics()
+    c = m.child(m.requests, "m", "generate", "ok")
+    assert c is m.child(m.requests, "m", "generate", "ok") is m.requests.labels("m", "generate", "ok")
+    c.inc()
+    m.child(m.ttft, "m").observe(0.1)
+    assert m.registry.get_sample_value("kvyard_requests_total", {"model": "m", "endpoint": "generate", "status": "ok"}) == 1
+    assert m.registry.get_sample_value("kvyard_time_to_first_token_seconds_count", {"model": "m"}) == 1
+    for i in range(5000):  # bounded: a flood of names cannot grow it without end
+        m.child(m.isl, f"model-{i}")
+    assert len(m._children) <= 4096
