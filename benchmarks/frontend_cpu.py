@@ -12,13 +12,16 @@ from /proc/<pid>/stat (utime + stime: all its threads) around each run. Workload
   stream  64-token prompts, 512 output tokens (ignore_eos), at each of `--stream-concurrency`. Reported: frontend
           CPU-seconds per 1,000 streamed tokens, and SSE events per token (equal chunking is what makes the
           frontends comparable).
+  short   64-token prompts, 2 output tokens, closed loop at --short-concurrency (32): what a request costs apart
+          from its token stream (HTTP, JSON, validation, tokenizing, routing, the engine call, metrics). Reported:
+          frontend CPU-ms per request.
   ttft1   concurrency 1, 64-token prompts, 16 output tokens: TTFT p50 straight at the engine and through each
           frontend; the difference is the TTFT the frontend adds.
 
     PYTHONPATH=. .venv/bin/python benchmarks/frontend_cpu.py --baseline /tmp/base22 [--rounds 2]
     ... --only new --pyspy /tmp/prof      # py-spy record (raw collapsed stacks) of the new frontend per workload
 
-Needs Redis on 127.0.0.1:6379. Writes benchmarks/results/frontend_cpu.{json,md} (not with --pyspy).
+Needs Redis on 127.0.0.1:6379. Writes benchmarks/results/<--out>.{json,md} (default frontend_cpu; not with --pyspy).
 """
 
 from __future__ import annotations
@@ -175,6 +178,9 @@ async def main() -> None:
     ap.add_argument("--stream-concurrency", default="64,256")
     ap.add_argument("--stream-requests", type=int, default=256, help="requests per stream run (at least the concurrency)")
     ap.add_argument("--ttft-requests", type=int, default=48)
+    ap.add_argument("--short-concurrency", type=int, default=32)
+    ap.add_argument("--short-requests", type=int, default=2000)
+    ap.add_argument("--out", default="frontend_cpu", help="result file name under benchmarks/results/")
     ap.add_argument("--idle-s", type=float, default=10.0, help="seconds without load, to measure the frontend's own background CPU")
     ap.add_argument("--speedup", type=float, default=2.0, help="sim engine speed-up (paces decode; 1 = the profile's ITL)")
     ap.add_argument("--pyspy", type=Path, default=None, help="folder for py-spy raw profiles (uses $PYSPY or py-spy)")
@@ -231,7 +237,7 @@ async def main() -> None:
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[:rnd % len(names)]
             for wl in workloads:
-                levels = [int(c) for c in args.stream_concurrency.split(",")] if wl == "stream" else [1 if wl == "ttft1" else args.conversations]
+                levels = [int(c) for c in args.stream_concurrency.split(",")] if wl == "stream" else [1 if wl == "ttft1" else args.short_concurrency if wl == "short" else args.conversations]
                 for conc in levels:
                     row: dict = {"workload": wl, "concurrency": conc, "round": rnd, "order": order}
                     if wl == "ttft1":
@@ -244,6 +250,8 @@ async def main() -> None:
                         with PySpy(spy, procs[k].pid, args.pyspy / f"{wl}-c{conc}-{k}-r{rnd}.txt" if args.pyspy else None):
                             if wl == "long":
                                 res, wall = await long_run(base, conc, args.turns, 11 + seed)
+                            elif wl == "short":
+                                res, wall = await closed_loop(base, conc, short_bodies(args.short_requests, 2, 7 + seed))
                             elif wl == "stream":
                                 res, wall = await closed_loop(base, conc, short_bodies(max(conc, args.stream_requests), 512, 3 + seed))
                             else:
@@ -295,15 +303,19 @@ def write_results(rows: list[dict], args, idle: dict) -> None:
     out = {"benchmark": "frontend_cpu", "machine": f"{os.cpu_count()} cores (shared)", "baseline": str(args.baseline) if args.baseline else None,
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "idle_cpu_ms_per_s": idle, "rows": rows, "summary": summary}
-    (RESULTS / "frontend_cpu.json").write_text(json.dumps(out, indent=2))
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(out, indent=2))
 
     def med(xs):
         return f"{statistics.median(xs):.3g}" if xs else "–"
 
-    lines = [f"`benchmarks/frontend_cpu.py --baseline {args.baseline} --rounds {args.rounds} --speedup {args.speedup:g}`: two sim engines, "
+    extra = (f" --workloads {args.workloads}" if args.workloads != "long,stream,ttft1" else "") + (
+        f" --out {args.out}" if args.out != "frontend_cpu" else "") + (
+        f" --ttft-requests {args.ttft_requests}" if args.ttft_requests != 48 else "")
+    lines = [f"`benchmarks/frontend_cpu.py --baseline {args.baseline}{extra} --rounds {args.rounds} --speedup {args.speedup:g}`: two sim engines, "
              f"frontends `base` (the baseline tree) and `new` (this tree) on them in turn, {args.rounds} rounds in rotated order; "
              f"long = {args.conversations} multi-turn chats x {args.turns} turns (~19k-token prompts), stream = 64-token prompts x 512 "
-             f"output tokens, ttft1 = concurrency 1, 16 output tokens. Frontend CPU from /proc (all threads); "
+             f"output tokens, short = 64-token prompts x 2 output tokens at concurrency {args.short_concurrency}, "
+             f"ttft1 = concurrency 1, 16 output tokens. Frontend CPU from /proc (all threads); "
              f"medians over rounds (per-round values in the JSON). Machine: {os.cpu_count()} cores shared with other work.", "",
              "| workload | conc | " + " | ".join(f"{k}: CPU-ms/request | {k}: CPU-s/1k tokens | {k}: CPU-µs/event | {k}: events/token | {k}: TTFT p50 ms | {k}: cache hit"
                                                   for k in names) + " |",
@@ -331,7 +343,7 @@ def write_results(rows: list[dict], args, idle: dict) -> None:
     if t1:
         lines += ["", "TTFT added at concurrency 1 (p50, frontend − direct, per round): " + "; ".join(
             f"{k} {', '.join(f'{x:.2f}' for x in t1[k]['ttft_added_p50_ms'])} ms" for k in names)]
-    (RESULTS / "frontend_cpu.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
