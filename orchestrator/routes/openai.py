@@ -60,9 +60,6 @@ def make_openai_router(service: InferenceService, guard: InferenceGuard, pool: W
     return router
 
 
-INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
-
-
 class _HotRoute(Route):
     """A Starlette route that, like FastAPI's, leaves itself in `scope["route"]` (error metrics read its path)."""
 
@@ -74,6 +71,7 @@ class _HotRoute(Route):
 
 
 def hot_routes(router: APIRouter) -> list[Route]:
-    """Plain routes for the inference POSTs of `router` (make_openai_router's), to insert before the app's routes."""
+    """Plain routes for the POSTs of `router` (make_openai_router's: the two inference routes), to insert before the
+    app's routes."""
     return [_HotRoute(r.path, r.endpoint, methods=["POST"], include_in_schema=False)
-            for r in router.routes if isinstance(r, APIRoute) and r.path in INFERENCE_PATHS]
+            for r in router.routes if isinstance(r, APIRoute) and "POST" in r.methods]

@@ -110,6 +110,8 @@ async def test_inference_posts_take_the_plain_route_and_keep_their_template(stac
     """The inference POSTs are served by plain Starlette routes placed first (orchestrator/routes/openai.py
     hot_routes): errors still come back in the OpenAI shape, counted under the route template (not
     "unmatched"), a wrong method is a 405, and the OpenAPI schema still lists the operation."""
+    from starlette.routing import request_response
+
     from orchestrator.routes.openai import _HotRoute
 
     client, disc, app = stack
@@ -122,7 +124,7 @@ async def test_inference_posts_take_the_plain_route_and_keep_their_template(stac
         served.append(request.scope["route"].path)
         return await endpoint(request)
 
-    hot[path].app = __import__("starlette.routing", fromlist=["request_response"]).request_response(spy)
+    hot[path].app = request_response(spy)
     with FakeEngine() as eng:
         await join(app, disc, winfo("a", eng.url, max_model_len=4096))
         before = endpoint_counted(app, path, "400")
