@@ -62,7 +62,8 @@ async def start(tmp_path, flavor: str, *extra: str) -> Cluster:
         try:
             body = (await client.get(url + "/api/cluster")).json()
             if sorted(w["role"] for w in body["workers"]) == ["decode", "prefill"]:
-                return Cluster(client, url, f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}", proc)
+                by_role = {w["role"]: w["url"] for w in body["workers"]}  # as registered (launcher.py engine_port)
+                return Cluster(client, url, by_role["prefill"], by_role["decode"], proc)
         except (httpx.HTTPError, ValueError, KeyError):
             pass
         if proc.poll() is not None:

@@ -43,7 +43,9 @@ async def stack(tmp_path):
         else:
             proc.kill()
             pytest.fail("kvyard up did not start:\n" + (tmp_path / "up.log").read_text()[-3000:])
-        yield client, url, [f"http://127.0.0.1:{base + i}" for i in range(4)]
+        # the URLs the workers registered: an engine whose base port + i was taken meanwhile (an ephemeral port of
+        # another connection) listens on the next free one (orchestrator/launcher.py engine_port)
+        yield client, url, sorted(w["url"] for w in body["workers"])
     proc.send_signal(signal.SIGINT)
     proc.wait(60)
 
