@@ -95,7 +95,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
     router = build_router(cfg)  # orchestrator/routing.py: also what `kvyard replay` routes with
     ingestor = KvEventIngestor(router.kv_index) if router.kv_index is not None else None
     pool = WorkerPool(discovery, router, cfg.refresh_interval_s, cfg.scrape_interval_s, ingestor=ingestor,
-                      scrape_timeout_s=cfg.scrape_timeout_s, liveness_failures=cfg.liveness_failures)
+                      scrape_timeout_s=cfg.scrape_timeout_s, liveness_failures=cfg.liveness_failures, fast_bpe=cfg.fast_bpe)
     service = InferenceService(cfg, pool, router, metrics)
     service.tracing = tracing or Tracing.from_config(cfg.telemetry.tracing)  # orchestrator/tracing.py; off by default
     # disaggregated prefill/decode for models with prefill or decode workers (orchestrator/disagg)

@@ -53,8 +53,9 @@ class LiveWorker:
 class WorkerPool:
     def __init__(self, discovery: Discovery, router: Router, refresh_interval_s: float = 1.0, scrape_interval_s: float = 1.0,
                  cache_dir: str | Path | None = None, ingestor: KvEventIngestor | None = None, *,
-                 scrape_timeout_s: float = 2.0, liveness_failures: int = 2) -> None:
+                 scrape_timeout_s: float = 2.0, liveness_failures: int = 2, fast_bpe: bool = True) -> None:
         self.discovery = discovery
+        self.fast_bpe = fast_bpe  # tokenizers load with orchestrator/fast_bpe.py's encoder where it is exact
         self.router = router
         self.refresh_interval_s = refresh_interval_s
         self.scrape_interval_s = scrape_interval_s
@@ -171,10 +172,12 @@ class WorkerPool:
         """Load the tokenizer off the event loop (a large vocabulary takes a second or more to parse);
         requests use it only once it is ready, so none ever waits on the load."""
         try:
-            await asyncio.to_thread(load_tokenizer, folder)
+            tok = await asyncio.to_thread(load_tokenizer, folder, self.fast_bpe)
         except Exception as exc:  # tokenizers raises plain Exception on bad files; a bad upload must not stop refresh
             log.warning("cannot load the tokenizer of %s from %s: %s", model, folder, exc)
             return
+        if tok.fast is None:
+            log.info("tokenizer of %s: Hugging Face's encoder (%s)", model, tok.fast_reason)
         self.tokenizer_dirs[model] = folder
 
     async def _scrape_one(self, live: LiveWorker) -> None:

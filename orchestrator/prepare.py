@@ -105,8 +105,10 @@ class _GilFree:
 
 
 class PromptPreparer:
-    def __init__(self, pool: WorkerPool, max_tokens_cap: int = 0, workers: int = 2, cache_tokens: int = 0) -> None:
+    def __init__(self, pool: WorkerPool, max_tokens_cap: int = 0, workers: int = 2, cache_tokens: int = 0,
+                 fast_bpe: bool = True) -> None:
         self.pool = pool
+        self.fast_bpe = fast_bpe  # the pool preloads with the same flag (one load_tokenizer cache entry)
         self.max_tokens_cap = max_tokens_cap
         self.cache_tokens = cache_tokens
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvyard-prep")
@@ -128,7 +130,7 @@ class PromptPreparer:
 
     def tokenizer(self, model: str) -> PromptTokenizer | None:
         folder = self.pool.tokenizer_dir(model)
-        return load_tokenizer(folder) if folder is not None else None
+        return load_tokenizer(folder, self.fast_bpe) if folder is not None else None
 
     async def prompt_ids(self, req, model: str, ctx: int, mm_spec: MmTokenSpec | None = None,
                          how_far: Callable[[], Probe | None | object] = lambda: EAGER) -> PromptTokens:

@@ -147,7 +147,7 @@ class InferenceService:
         self.hung = HungWorkers(self._probe, self._trip, self._has_alternative)
         pool.on_worker_unresponsive.append(self.hung.suspect)
         pool.on_worker_left.append(self._forget)
-        self.prep = PromptPreparer(pool, cfg.max_tokens_cap, cache_tokens=cfg.prompt_cache_tokens)
+        self.prep = PromptPreparer(pool, cfg.max_tokens_cap, cache_tokens=cfg.prompt_cache_tokens, fast_bpe=cfg.fast_bpe)
         self.fields = RequestFields(cfg.security.request_fields, on_removed=lambda reason: metrics.fields_removed.labels(reason).inc())
         # disaggregated prefill/decode (orchestrator/disagg): set by the app; None serves every model aggregated
         self.disagg = None

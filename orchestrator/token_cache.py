@@ -296,7 +296,7 @@ class ChunkedTokenizer:
         if not cuts:
             return self._tok.count_or_ids(text, limit, add_special_tokens)
         found, missing, encoded = self._lookup(chunks)
-        n = sum(len(ids) for ids in found if ids is not None) + sum(len(e) for e in encoded)
+        n = sum(len(ids) for ids in found if ids is not None) + sum(map(len, encoded))
         if n > limit:  # refused: no Python list of its ids is built (a hostile prompt), nothing of it is kept
             return n, None
         return n, self._join(found, missing, encoded)
@@ -304,8 +304,8 @@ class ChunkedTokenizer:
     def _ids_of(self, chunks: list[str]) -> list[int]:
         return self._join(*self._lookup(chunks)) if chunks else []
 
-    def _lookup(self, chunks: list[str]) -> tuple[list[array | None], list[str], list]:
-        """(each chunk's cached ids or None, the chunks not cached, their encodings: one GIL-free batch call)."""
+    def _lookup(self, chunks: list[str]) -> tuple[list[array | None], list[str], list[list[int]]]:
+        """(each chunk's cached ids or None, the chunks not cached, their ids: one GIL-free batch call)."""
         found: list[array | None] = []
         with self._lock:
             for c in chunks:
@@ -316,9 +316,8 @@ class ChunkedTokenizer:
         missing = [c for c, ids in zip(chunks, found) if ids is None]
         return found, missing, (self._encode_many(missing, add_special_tokens=False) if missing else [])
 
-    def _join(self, found: list[array | None], missing: list[str], encoded: list) -> list[int]:
+    def _join(self, found: list[array | None], missing: list[str], lists: list[list[int]]) -> list[int]:
         """The chunks' ids end to end; the new chunks' ids are cached."""
-        lists = [e.ids for e in encoded]
         it = iter(lists)  # a new chunk's ids go out as the list the tokenizer made (no int made twice)
         parts = [ids if ids is not None else next(it) for ids in found]
         self._remember(missing, [array("I", ids) for ids in lists], len(found) - len(missing))
