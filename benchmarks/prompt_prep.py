@@ -1,18 +1,21 @@
-"""Prompt preparation: the frontend CPU spent turning a long chat into the token ids routing needs, eager against lazy.
+"""Prompt preparation: the frontend CPU spent turning a long chat into the token ids routing needs, eager against
+lazy, and with each encoder (Hugging Face `tokenizers`, or tiktoken's core where orchestrator/fast_bpe.py proves it exact).
 
     PYTHONPATH=. .venv/bin/python benchmarks/prompt_prep.py [--rounds 5]
 
 In one process, no HTTP and no engine, so the figure is the prepare step alone (orchestrator/prepare.py):
 `PromptPreparer.prompt_ids` per request, CPU time of the process (all its threads: the thread pool tokenizes) from
-time.process_time. Two modes, alternated within each round (their order rotated) on the same prompts:
+time.process_time. Four modes, alternated within each round (their order rotated) on the same prompts:
   eager   every prompt token, as before lazy tokenizing (and as the frontend still does for workers without KV events)
   lazy    the kv policy's probe (Router.prefix_cached) against a KV index that holds every prompt sent before, whole,
           as the engines' KV events would (each prompt's full blocks are stored after it is prepared)
+each with the encoder `hf` (frontend.fast_bpe: false) and `fast` (the default; the same ids).
 Workloads (text: words drawn from the sim tokenizer's vocabulary, seeded; the sim's cl100k tokenizer):
   multi-turn  8 conversations x 5 turns: a ~4k-token system prompt shared by all, a ~14k-token document of its own,
               then every turn re-sends the history plus one more assistant/user exchange (as chat clients do)
   one-shot    40 prompts, each a ~18k-token document nobody sent before, after the same system prompt
-Reported per workload and mode: median CPU-ms per prompt over the rounds, and lazy / eager.
+Reported per workload and mode: median CPU-ms per prompt over the rounds, lazy / eager and fast / hf. Then the encoders
+alone (`encode`): CPU-us per call of PromptTokenizer.count_or_ids on a one-shot document and on a 64-token prompt.
 Writes benchmarks/results/prompt_prep.{json,md}.
 """
 
@@ -73,13 +76,16 @@ def conversations(rng: random.Random, words: list[str], oneshot: bool) -> list[l
     return out
 
 
+MODES = ("lazy-fast", "eager-fast", "lazy-hf", "eager-hf")
+
+
 async def run(mode: str, convs: list[list[list[dict]]], tok) -> float:
     """CPU-ms per prompt for one pass over the workload with a fresh preparer and index."""
-    prep = PromptPreparer(_Pool(), cache_tokens=2_000_000)
+    prep = PromptPreparer(_Pool(), cache_tokens=2_000_000, fast_bpe=mode.endswith("-fast"))
     index = KvIndex()
     index.add_worker("w", block_size=BLOCK)
     router = Router(build_policy("kv", index=index))
-    how_far = (lambda: EAGER) if mode == "eager" else (lambda: (lambda ids: router.prefix_cached(ids, BLOCK)))
+    how_far = (lambda: EAGER) if mode.startswith("eager") else (lambda: (lambda ids: router.prefix_cached(ids, BLOCK)))
     cpu, n, stored = 0.0, 0, 0
     try:
         for turn in range(max(len(c) for c in convs)):  # turn by turn across conversations, as they interleave
@@ -100,36 +106,67 @@ async def run(mode: str, convs: list[list[list[dict]]], tok) -> float:
     return cpu * 1e3 / n
 
 
+def encode_cpu_us(tok, text: str, calls: int) -> float:
+    """CPU-us per count_or_ids call (the whole text, no chunk cache)."""
+    t0 = time.process_time()
+    for _ in range(calls):
+        tok.count_or_ids(text, 1 << 30, add_special_tokens=False)
+    return (time.process_time() - t0) * 1e6 / calls
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="prompt_prep")
     a = ap.parse_args()
     tok = load_tokenizer(str(SIM_TOKENIZER_DIR))
+    hf = load_tokenizer(str(SIM_TOKENIZER_DIR), fast_bpe=False)
+    assert tok.fast is not None, tok.fast_reason
     words = _words(tok)
     result = result_header("prompt_prep") | {"command": "benchmarks/prompt_prep.py " + " ".join(sys.argv[1:]), "workloads": {}}
     for name, oneshot in (("multi-turn", False), ("one-shot", True)):
-        per: dict[str, list[float]] = {"eager": [], "lazy": []}
+        per: dict[str, list[float]] = {m: [] for m in MODES}
         for r in range(a.rounds):
             convs = conversations(random.Random(1000 + r), words, oneshot)
-            for mode in (("eager", "lazy") if r % 2 else ("lazy", "eager")):
+            for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
                 per[mode].append(await run(mode, convs, tok))
         tokens = statistics.mean(len(tok.encode_chat(c[-1])) for c in conversations(random.Random(1000), words, oneshot))
         med = {m: statistics.median(v) for m, v in per.items()}
         result["workloads"][name] = {"prompt_tokens_mean": round(tokens), "cpu_ms_per_prompt": {m: round(v, 2) for m, v in med.items()},
                                      "rounds": {m: [round(x, 2) for x in v] for m, v in per.items()},
-                                     "lazy_over_eager": round(med["lazy"] / med["eager"], 3)}
+                                     "lazy_over_eager": {e: round(med[f"lazy-{e}"] / med[f"eager-{e}"], 3) for e in ("fast", "hf")},
+                                     "fast_over_hf": {w: round(med[f"{w}-fast"] / med[f"{w}-hf"], 3) for w in ("lazy", "eager")}}
         print(name, result["workloads"][name], flush=True)
+    doc = conversations(random.Random(7), words, True)[0][0][-1]["content"]
+    short = " ".join(random.Random(8).choice(words) for _ in range(64))
+    enc = {}
+    for label, text, calls in (("document", doc, 20), ("64 words", short, 5000)):
+        runs = {"fast": [], "hf": []}
+        for r in range(a.rounds):
+            for e, t in ((("fast", tok), ("hf", hf)) if r % 2 == 0 else (("hf", hf), ("fast", tok))):
+                runs[e].append(encode_cpu_us(t, text, calls))
+        med = {e: statistics.median(v) for e, v in runs.items()}
+        enc[label] = {"tokens": len(tok.encode(text, add_special_tokens=False)), "cpu_us_per_call": {e: round(v, 1) for e, v in med.items()},
+                      "rounds": {e: [round(x, 1) for x in v] for e, v in runs.items()}, "fast_over_hf": round(med["fast"] / med["hf"], 3)}
+        print("encode", label, enc[label], flush=True)
+    result["encode"] = enc
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{a.out}.json").write_text(json.dumps(result, indent=1) + "\n")
-    md = [f"# Prompt preparation, eager vs lazy ({result['when']})", "", f"    {result['command']}", "",
+    md = [f"# Prompt preparation: eager vs lazy, Hugging Face vs fast encoder ({result['when']})", "", f"    {result['command']}", "",
           "CPU time of the process (all threads) in PromptPreparer.prompt_ids per prompt; median over rounds. Lazy: the kv "
-          "policy's probe against an index holding every earlier prompt whole (as the engines' KV events would).", "",
-          "| workload | prompt tokens (mean, last turn) | eager: CPU-ms / prompt | lazy: CPU-ms / prompt | lazy / eager |",
-          "|---|---|---|---|---|"]
+          "policy's probe against an index holding every earlier prompt whole (as the engines' KV events would). hf: "
+          "frontend.fast_bpe off; fast: tiktoken's core (orchestrator/fast_bpe.py), the same ids.", "",
+          "| workload | prompt tokens (mean, last turn) | " + " | ".join(f"{m}: CPU-ms / prompt" for m in MODES)
+          + " | lazy / eager (fast, hf) | fast / hf (lazy, eager) |",
+          "|---|---|" + "---|" * (len(MODES) + 2)]
     for name, w in result["workloads"].items():
-        c = w["cpu_ms_per_prompt"]
-        md.append(f"| {name} | {w['prompt_tokens_mean']:,} | {c['eager']} | {c['lazy']} | {w['lazy_over_eager']} |")
+        c, le, fh = w["cpu_ms_per_prompt"], w["lazy_over_eager"], w["fast_over_hf"]
+        md.append(f"| {name} | {w['prompt_tokens_mean']:,} | " + " | ".join(str(c[m]) for m in MODES)
+                  + f" | {le['fast']}, {le['hf']} | {fh['lazy']}, {fh['eager']} |")
+    md += ["", "The encoders alone (PromptTokenizer.count_or_ids on the whole text, no chunk cache), CPU-us per call:", "",
+           "| text | tokens | hf | fast | fast / hf |", "|---|---|---|---|---|"]
+    for label, e in enc.items():
+        md.append(f"| {label} | {e['tokens']:,} | {e['cpu_us_per_call']['hf']} | {e['cpu_us_per_call']['fast']} | {e['fast_over_hf']} |")
     (RESULTS / f"{a.out}.md").write_text("\n".join(md) + "\n")
 
 
