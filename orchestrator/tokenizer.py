@@ -60,8 +60,7 @@ class PromptTokenizer:
     def count_or_ids(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
         """(token count, ids): the ids only when the count is at most `limit`. Releases the GIL while it tokenizes."""
         if self.fast is not None:
-            ids = self.fast.encode(text, add_special_tokens)
-            return len(ids), (ids if len(ids) <= limit else None)
+            return self.fast.count_or_ids(text, limit, add_special_tokens)
         enc = self._hf_many([text], add_special_tokens=add_special_tokens)[0]
         n = len(enc)
         return n, (enc.ids if n <= limit else None)

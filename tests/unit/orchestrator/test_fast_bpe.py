@@ -183,3 +183,15 @@ def test_the_prompt_tokenizer_uses_it_and_can_be_told_not_to(sim):
         assert t.encode_many([text, "x"], add_special_tokens=False) == [tok.encode(text, add_special_tokens=False).ids, [87]]
         assert t.count_or_ids(text, 1 << 20) == (len(want), want)
         assert t.count_or_ids(text, 10) == (len(want), None)
+
+
+def test_long_texts_are_counted_before_any_list_is_made(sim_json, tmp_path):
+    tok = _tokenizer(_llama3_like(sim_json), tmp_path)
+    fast, _ = fast_encoder(tok)
+    assert fast is not None
+    text = ("Some words 1234567 and <|eot_id|> a special token, \n" * 3000)[:fast_bpe._ARRAY_CHARS + 999]
+    for special in (False, True):
+        want = tok.encode(text, add_special_tokens=special).ids
+        assert fast.count_or_ids(text, 1 << 30, special) == (len(want), want)
+        assert fast.count_or_ids(text, len(want) - 1, special) == (len(want), None)
+        assert fast.count_or_ids("<|eot_id|>", 5, special)[1] == tok.encode("<|eot_id|>", add_special_tokens=special).ids
