@@ -39,6 +39,7 @@ class SimTokenizer:
         path = Path(path)
         self.path = path
         self._tk = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self._encode_many = getattr(self._tk, "encode_batch_fast", self._tk.encode_batch)
         self.config: dict[str, Any] = read_tokenizer_config(path)
         self._template = ChatTemplate(path, self.config)
         eos = self.config.get("eos_token")
@@ -47,7 +48,10 @@ class SimTokenizer:
         self._max_chars: int | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch_fast (tokenizers >= 0.21): the same ids without offsets, about half the CPU of encode, and the
+        # GIL released while it runs; the sim's CPU is not its timing (that comes from the profile), but 8-64 sims
+        # share the benchmark machine with the component under test
+        return self._encode_many([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
