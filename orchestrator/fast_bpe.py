@@ -300,7 +300,15 @@ def _affixes(tok) -> tuple[list[int], list[int]] | None:
 
 
 def fast_encoder(tok) -> tuple[FastBpe | None, str | None]:
-    """(FastBpe, None) for a `tokenizers.Tokenizer` it encodes exactly, else (None, why not)."""
+    """(FastBpe, None) for a `tokenizers.Tokenizer` it encodes exactly, else (None, why not). Never raises: a
+    tokenizer file this module does not expect keeps Hugging Face's encoder."""
+    try:
+        return _fast_encoder(tok)
+    except Exception as exc:  # a shape of tokenizer.json not foreseen here
+        return None, f"not checked ({type(exc).__name__}: {exc})"
+
+
+def _fast_encoder(tok) -> tuple[FastBpe | None, str | None]:
     try:
         import tiktoken
     except ImportError:

@@ -195,3 +195,11 @@ def test_long_texts_are_counted_before_any_list_is_made(sim_json, tmp_path):
         assert fast.count_or_ids(text, 1 << 30, special) == (len(want), want)
         assert fast.count_or_ids(text, len(want) - 1, special) == (len(want), None)
         assert fast.count_or_ids("<|eot_id|>", 5, special)[1] == tok.encode("<|eot_id|>", add_special_tokens=special).ids
+
+
+def test_an_unforeseen_tokenizer_shape_keeps_the_hugging_face_encoder(monkeypatch, tmp_path):
+    def unforeseen(model):
+        raise KeyError("vocab")
+    monkeypatch.setattr(fast_bpe, "_ranks", unforeseen)
+    fast, why = fast_encoder(_tokenizer(_tiny(), tmp_path))
+    assert fast is None and why.startswith("not checked (KeyError")
