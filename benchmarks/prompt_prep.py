@@ -121,7 +121,7 @@ async def main() -> None:
     a = ap.parse_args()
     tok = load_tokenizer(str(SIM_TOKENIZER_DIR))
     hf = load_tokenizer(str(SIM_TOKENIZER_DIR), fast_bpe=False)
-    assert tok.fast is not None, tok.fast_reason
+    assert tok.wait_fast(120) is not None, tok.fast_reason
     words = _words(tok)
     result = result_header("prompt_prep") | {"command": "benchmarks/prompt_prep.py " + " ".join(sys.argv[1:]), "workloads": {}}
     for name, oneshot in (("multi-turn", False), ("one-shot", True)):

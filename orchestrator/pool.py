@@ -172,12 +172,10 @@ class WorkerPool:
         """Load the tokenizer off the event loop (a large vocabulary takes a second or more to parse);
         requests use it only once it is ready, so none ever waits on the load."""
         try:
-            tok = await asyncio.to_thread(load_tokenizer, folder, self.fast_bpe)
+            await asyncio.to_thread(load_tokenizer, folder, self.fast_bpe)
         except Exception as exc:  # tokenizers raises plain Exception on bad files; a bad upload must not stop refresh
             log.warning("cannot load the tokenizer of %s from %s: %s", model, folder, exc)
             return
-        if tok.fast is None:
-            log.info("tokenizer of %s: Hugging Face's encoder (%s)", model, tok.fast_reason)
         self.tokenizer_dirs[model] = folder
 
     async def _scrape_one(self, live: LiveWorker) -> None:

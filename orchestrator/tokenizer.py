@@ -16,6 +16,8 @@ one), so `chars > context x max_chars_per_token` proves a prompt too long withou
 
 from __future__ import annotations
 
+import logging
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +28,8 @@ from workers.chat_template import ChatTemplate
 
 __all__ = ["PromptTokenizer", "load_tokenizer"]
 
+log = logging.getLogger("kvyard.tokenizer")
+
 _DEFAULT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 
 
@@ -33,13 +37,33 @@ class PromptTokenizer:
     def __init__(self, folder: str | Path, fast_bpe: bool = True) -> None:
         folder = Path(folder)
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        # the exact fast encoder, or why this tokenizer keeps Hugging Face's (logged by the pool when it loads)
-        self.fast: FastBpe | None
-        self.fast, self.fast_reason = fast_encoder(self._tok) if fast_bpe else (None, "fast_bpe is off")
+        # the exact fast encoder once checked (a second or so, on its own thread: the tokenizer serves with Hugging
+        # Face's encoder meanwhile, so it is usable, and requests KV-routed, as soon as it loads), or why not
+        self.fast: FastBpe | None = None
+        self.fast_reason: str | None = "being checked" if fast_bpe else "fast_bpe is off"
+        self._fast_checked = threading.Event()
+        self._folder = str(folder)
+        if fast_bpe:
+            threading.Thread(target=self._check_fast, name="kvyard-fast-bpe", daemon=True).start()
+        else:
+            self._fast_checked.set()
         self._template = ChatTemplate(folder, fallback=_DEFAULT_TEMPLATE)
         longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
         self.max_chars_per_token = max(1, longest) * (4 if self._tok.normalizer is not None else 1)
         self._hf_many = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # _fast: tokenizers >= 0.21
+
+    def _check_fast(self) -> None:
+        fast, why = fast_encoder(self._tok)
+        self.fast_reason = why
+        self.fast = fast  # one reference store: each encode reads it once
+        self._fast_checked.set()
+        if fast is None:
+            log.info("tokenizer %s keeps Hugging Face's encoder: %s", self._folder, why)
+
+    def wait_fast(self, timeout: float | None = None) -> FastBpe | None:
+        """The fast encoder once the check is done (None: not usable for this tokenizer, or not done in time)."""
+        self._fast_checked.wait(timeout)
+        return self.fast
 
     @property
     def raw(self) -> Tokenizer:
@@ -48,19 +72,22 @@ class PromptTokenizer:
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """The ids of several texts, with the GIL released while they are tokenized."""
-        if self.fast is not None:
-            return [self.fast.encode(t, add_special_tokens) for t in texts]
+        fast = self.fast
+        if fast is not None:
+            return [fast.encode(t, add_special_tokens) for t in texts]
         return [e.ids for e in self._hf_many(texts, add_special_tokens=add_special_tokens)]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.fast is not None:
-            return self.fast.encode(text, add_special_tokens)
+        fast = self.fast
+        if fast is not None:
+            return fast.encode(text, add_special_tokens)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def count_or_ids(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
         """(token count, ids): the ids only when the count is at most `limit`. Releases the GIL while it tokenizes."""
-        if self.fast is not None:
-            return self.fast.count_or_ids(text, limit, add_special_tokens)
+        fast = self.fast
+        if fast is not None:
+            return fast.count_or_ids(text, limit, add_special_tokens)
         enc = self._hf_many([text], add_special_tokens=add_special_tokens)[0]
         n = len(enc)
         return n, (enc.ids if n <= limit else None)

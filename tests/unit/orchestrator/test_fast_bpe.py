@@ -175,9 +175,11 @@ def test_the_self_test_catches_a_wrong_translation(monkeypatch, tmp_path):
 def test_the_prompt_tokenizer_uses_it_and_can_be_told_not_to(sim):
     tok, _ = sim
     on, off = PromptTokenizer(SIM_TOKENIZER_DIR), PromptTokenizer(SIM_TOKENIZER_DIR, fast_bpe=False)
-    assert on.fast is not None and off.fast is None and off.fast_reason == "fast_bpe is off"
     text = "Some text 123456, with\nlines <|endoftext|> and more" * 40
     want = tok.encode(text).ids
+    assert on.encode(text) == want  # usable at once: Hugging Face's encoder while the fast one is checked
+    assert on.wait_fast(60) is not None and on.fast_reason is None
+    assert off.wait_fast(0) is None and off.fast_reason == "fast_bpe is off"
     for t in (on, off):
         assert t.encode(text) == want
         assert t.encode_many([text, "x"], add_special_tokens=False) == [tok.encode(text, add_special_tokens=False).ids, [87]]
