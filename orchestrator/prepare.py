@@ -24,8 +24,9 @@ for 12.6 s):
      and not past the first chunk no earlier prompt held (those are tokenized the second time they are seen: a
      copy sent while the first is still in prefill shares its prefix). The rest is never tokenized unless a
      limit needs its exact length (UTF-8 bytes bound its tokens from above: `PartialIds.upper`) or the stream
-     migrates (`complete`). The token count routing and load use is then an estimate; the engine's usage
-     replaces it when the request ends (orchestrator/service.py). The kv policy's probe asks its index; a policy
+     migrates (`complete`); the bound counts the cached chunks of the rest exactly (ChunkedTokenizer.upper),
+     so a conversation's history counted once is not counted again. The token count routing and load use is
+     then an estimate; the engine's usage replaces it when the request ends (orchestrator/service.py). The kv policy's probe asks its index; a policy
      without one (round-robin, least-loaded) needs no ids (probe None), and EAGER tokenizes it all
      (disaggregated models, workers without KV events whose predicted contents are the routed prompts).
 Measured (benchmarks/results/hostile_prompt.json): the longest loop stall an 8 MB prompt causes.
@@ -194,7 +195,11 @@ class PromptPreparer:
                 await loop.run_in_executor(self._executor, got.chunked.extend, p, max(1, p.done))  # doubling
                 got.ids = p.ids
             want = req.requested_max_tokens() or 0
-            if not p.complete and (p.upper + want > ctx or (want == 0 and self.max_tokens_cap and ctx - p.upper < self.max_tokens_cap)):
+
+            def may_break_a_limit(upper: int) -> bool:  # the prompt, at its bound, with max_tokens past ctx or the cap
+                return upper + want > ctx or bool(want == 0 and self.max_tokens_cap and ctx - upper < self.max_tokens_cap)
+
+            if not p.complete and may_break_a_limit(p.upper) and may_break_a_limit(got.chunked.upper(p)):
                 await self.complete(got)  # a limit needs the exact count
             got.count = p.estimate()
             if p.complete and got.count > ctx:

@@ -179,9 +179,11 @@ class PartialIds:
     """A long prompt tokenized from its start only as far as asked (ChunkedTokenizer.begin / extend).
 
     `ids` are exactly the ids of `chunks[:done]` (the whole text's first tokens: every chunk ends at an exact cut).
-    `upper` bounds the whole text's token count from above without tokenizing it: every token of a byte-level or
-    character-level model covers at least one UTF-8 byte (one of the text after NFC normalizing, which is at most
-    3x longer; other normalizers never reach here, see ChunkedTokenizer.chunkable)."""
+    `upper` bounds the whole text's token count from above without tokenizing the rest: the ids so far, plus the
+    rest's UTF-8 length, since the rest's tokens are those of `text[done_chars:]` alone (an exact cut) and every
+    token of a byte-level or character-level model covers at least one UTF-8 byte (one of the text after NFC
+    normalizing, which is at most 3x longer; other normalizers never reach here, see ChunkedTokenizer.chunkable).
+    ChunkedTokenizer.upper tightens it further with the cached chunks of the rest."""
 
     text: str
     chunks: list[str]
@@ -202,8 +204,8 @@ class PartialIds:
 
     @property
     def upper(self) -> int:
-        if self._upper < 0:  # only an incomplete prompt asks (a limit check): the UTF-8 length, once
-            self._upper = len(self.text.encode("utf-8", "surrogatepass")) * self.expand
+        if self._upper < 0:  # only an incomplete prompt asks (a limit check, the estimate); once per step
+            self._upper = len(self.ids) + len(self.text[self.done_chars:].encode("utf-8", "surrogatepass")) * self.expand
         return self._upper
 
     def estimate(self) -> int:
@@ -286,7 +288,18 @@ class ChunkedTokenizer:
             p.ids = ids
         p.done_chars += sum(map(len, p.chunks[start:stop]))
         p.done = stop
+        p._upper = -1
         return p
+
+    def upper(self, p: PartialIds) -> int:
+        """A bound on p's whole token count, at most p.upper, without tokenizing: the chunks of the rest that the
+        cache holds count exactly (their ids are what tokenizing them gives: exact cuts), the others by their
+        UTF-8 length. A long conversation whose history was counted once is not counted again for a limit."""
+        rest = p.chunks[p.done:]
+        with self._lock:
+            known = [self._lru.get(c) for c in rest]
+        return len(p.ids) + sum(len(k) if k is not None else len(c.encode("utf-8", "surrogatepass")) * p.expand
+                                for c, k in zip(rest, known))
 
     def count_or_ids(self, text: str, limit: int, add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
         """(token count, ids), the ids only when the count is at most `limit`: exactly the tokenizer's own answer."""

@@ -309,3 +309,41 @@ async def test_a_lazy_prompt_near_a_limit_is_counted_exactly(tok):
         assert p.complete and p.count == len(want)
     finally:
         capped.close()
+
+
+def test_the_bound_counts_what_is_done_and_what_the_cache_holds(tok):
+    rng = random.Random(31)
+    history, turn = _self_test_text(rng, 6000), "\n" + _self_test_text(rng, 3000)
+    cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
+    n_history = cached.count_or_ids(history, 1 << 30, add_special_tokens=False)[0]  # a turn counted before
+    p = cached.begin(history + turn, False, first=0)  # nothing tokenized (no probe)
+    n = len(whole(tok, history + turn))
+    assert p.upper == len((history + turn).encode())
+    tight = cached.upper(p)
+    assert n <= tight < p.upper  # sound, and tighter: the history's chunks count exactly
+    # the history's last chunk (it ends where the history does, not at a cut of the whole) is bounded by its bytes
+    last = history[exact_cuts(history, 256)[-1]:]
+    assert tight <= n_history + len(last.encode()) + len(turn.encode())
+    cached.extend(p, 3)
+    assert p.upper == len(p.ids) + len((history + turn)[p.done_chars:].encode()) and n <= cached.upper(p) <= p.upper
+
+
+async def test_a_conversation_counted_once_is_not_counted_again_for_a_limit(tok):
+    from orchestrator.protocol import ChatCompletionRequest
+
+    rng = random.Random(32)
+    msgs = [{"role": "user", "content": _self_test_text(rng, 12000)}]
+    prep = _preparer()
+    try:
+        first = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
+        n1 = len(tok.encode_chat(msgs))
+        ctx = n1 + 3000  # under the first turn's byte bound: the first turn is counted exactly
+        p1 = await prep.prompt_ids(first, "m", ctx, how_far=lambda: None)
+        assert p1.complete and p1.count == n1
+        msgs2 = msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
+        second = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs2})
+        p2 = await prep.prompt_ids(second, "m", ctx, how_far=lambda: None)
+        assert not p2.complete and p2.ids == []  # its history's chunks bound it under ctx: nothing tokenized
+        assert len(tok.encode_chat(msgs2)) <= p2.partial.upper
+    finally:
+        prep.close()
