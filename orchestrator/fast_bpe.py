@@ -9,7 +9,8 @@ Hugging Face `tokenizers` tracks alignments (a NormalizedString per piece, offse
 They agree only for one family: byte-level BPE whose merges are ranked by the merged token's id and complete
 (every split of a token into two tokens is a merge), so "merge the best-ranked pair" is the same rule either way,
 and whose `ignore_merges` is set (a piece that is a whole token is that token: tiktoken's shortcut). That is how
-tiktoken vocabularies converted to `tokenizer.json` look (Llama 3, cl100k, o200k, the sim's tokenizer).
+tiktoken vocabularies look when converted to `tokenizer.json` (`ignore_merges` came to `tokenizers` with Llama 3's
+conversion; the sim's cl100k is one); each file is checked, not assumed.
 `fast_encoder(tok)` builds one only when all of this holds:
   - model BPE: `ignore_merges`, no byte fallback, dropout, subword prefix or suffix; every vocabulary entry is
     spelled in the ByteLevel alphabet; merges ranked and complete as above;
