@@ -3,8 +3,9 @@
 Tokenizing prompts is the largest part of the frontend's CPU on long prompts (benchmarks/results/
 frontend_cpu.md, routers_compare.md: the tokenizer threads took ~40% of the frontend process on the trace).
 Hugging Face `tokenizers` tracks alignments (a NormalizedString per piece, offsets) even in `encode_batch_fast`;
-`tiktoken`'s Rust core does only the regex split and the merges: 3-6x less CPU per token, and ~13 us against
-~42 us for a 64-token prompt. Both release the GIL.
+`tiktoken`'s Rust core does only the regex split and the merges: about a fifth of the CPU
+(benchmarks/results/prompt_prep.md: 8.8 against 41.8 ms for a 17.7k-token document, 16 against 87 us for 64
+words). Both release the GIL.
 
 They agree only for one family: byte-level BPE whose merges are ranked by the merged token's id and complete
 (every split of a token into two tokens is a merge), so "merge the best-ranked pair" is the same rule either way,

@@ -8,10 +8,12 @@ a stalled event loop, even from a thread); `encode_batch` releases it while it t
 its result (offsets and token strings per token) holds the GIL again (~0.2 s for 4M characters).
 `count_or_ids` uses `encode_batch_fast` (no offsets: the same ids, ~6x faster, ~1 ms to free), off the
 loop for long prompts (orchestrator/prepare.py), and builds the Python list of ids only for a prompt
-that fits the context. Where orchestrator/fast_bpe.py proves tiktoken's BPE core gives the same ids (tiktoken-style
-byte-level vocabularies such as the sim's cl100k; checked per file at load), it encodes instead: 3-6x less CPU per token. `max_chars_per_token` bounds how many characters one token can cover (the
-longest vocabulary entry; x4 under a Unicode normalizer, which can fold several characters into
-one), so `chars > context x max_chars_per_token` proves a prompt too long without tokenizing it.
+that fits the context. Where orchestrator/fast_bpe.py proves tiktoken's BPE core gives the same ids
+(tiktoken-style byte-level vocabularies such as the sim's cl100k; checked per file at load), it encodes
+instead, for about a fifth of the CPU (benchmarks/results/prompt_prep.md). `max_chars_per_token` bounds how
+many characters one token can cover (the longest vocabulary entry; x4 under a Unicode normalizer, which can
+fold several characters into one), so `chars > context x max_chars_per_token` proves a prompt too long
+without tokenizing it.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class FrontendConfig(BaseModel):
                                      "so a conversation's history is tokenized once (about 8 bytes each with their text; 0: off; "
                                      "orchestrator/token_cache.py)")
     fast_bpe: bool = Field(True, description="tokenize prompts with tiktoken's BPE core where it gives the tokenizer's "
-                           "own ids (checked when the tokenizer loads; 3-6x less CPU; orchestrator/fast_bpe.py)")
+                           "own ids (checked when the tokenizer loads; about a fifth of the CPU; orchestrator/fast_bpe.py)")
     log_requests: bool = Field(False, description="access log: one line per inference request on the kvyard.access logger "
                                                   "(status, worker, tokens, queue/TTFT/total time; orchestrator/access_log.py)")
     log_requests_format: Literal["text", "json"] = Field("text", description="access log lines as key=value text or JSON")
