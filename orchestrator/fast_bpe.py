@@ -1,7 +1,7 @@
 """Exact byte-level BPE on tiktoken's core, for the tokenizers where it gives the same ids as Hugging Face's.
 
-Tokenizing prompts is the largest part of the frontend's CPU on long prompts (benchmarks/results/
-frontend_cpu.md, routers_compare.md: the tokenizer threads took ~40% of the frontend process on the trace).
+Tokenizing prompts was the largest part of the frontend's CPU on long prompts (perf on the frontend during
+benchmarks/routers_compare.py's trace: the tokenizer threads took ~38% of the process's CPU).
 Hugging Face `tokenizers` tracks alignments (a NormalizedString per piece, offsets) even in `encode_batch_fast`;
 `tiktoken`'s Rust core does only the regex split and the merges: about a fifth of the CPU
 (benchmarks/results/prompt_prep.md: 8.8 against 41.8 ms for a 17.7k-token document, 16 against 87 us for 64
@@ -24,7 +24,8 @@ conversion; the sim's cl100k is one); each file is checked, not assumed.
   - a self-test at load: texts dense in what could differ (digit runs, Unicode spaces and letters of every
     kind, case-folded apostrophes, CRs, the added tokens) encode to the same ids both ways.
 Any other tokenizer keeps Hugging Face's encoder (`FastBpe` is None, with the reason), and so does a frontend
-configured with `fast_bpe: false`.
+configured with `fast_bpe: false`. The check takes ~1 s of CPU; orchestrator/tokenizer.py runs it on its own thread
+and encodes with Hugging Face's encoder until it is done.
 """
 
 from __future__ import annotations
