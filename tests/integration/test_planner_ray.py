@@ -3,7 +3,6 @@ under a WorkerSupervisor, registered in Redis. Scale up to 2, then down to 1 (dr
 
 from __future__ import annotations
 
-import os
 import socket
 import uuid
 
@@ -12,6 +11,7 @@ import pytest
 from workers.discovery import RedisDiscovery
 from planner.telemetry.schema import PoolKey
 from workers.types import EngineLaunchConfig
+from orchestrator.testing.ray_local import start_local_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -26,10 +26,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # test process only: no usage reporting
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray = start_local_ray(num_cpus=2)  # once more if Ray's 30 s start-up window runs out on a loaded machine
     yield ray
     ray.shutdown()
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from orchestrator.testing.ray_local import start_local_ray
 
 pytestmark = pytest.mark.slow
 
@@ -88,10 +89,7 @@ def stop(proc: subprocess.Popen, tmp_path: Path) -> int:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray = start_local_ray(num_cpus=3)  # once more if Ray's 30 s start-up window runs out on a loaded machine
     yield ray
     ray.shutdown()
 
