@@ -13,9 +13,11 @@ hand-off (the protocol, the SGLang bootstrap port) is registered in the worker's
 from __future__ import annotations
 
 import json
+import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from workers.types import WorkerRole
 
@@ -24,8 +26,33 @@ __all__ = ["PdLaunch", "pd_launch", "pd_registration", "kv_connector_of", "free_
 NIXL_KV_TRANSFER_CONFIG = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, separators=(",", ":"))
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' source ports (Linux; the usual default elsewhere)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free now, for an engine that binds it seconds later (after loading its model). Picked outside the
+    kernel's ephemeral range: a port from there (what bind(0) gives) can meanwhile become the source port of any
+    outgoing connection, a health check's included, and the engine then fails with EADDRINUSE (a clean-clone CI
+    run saw vLLM's NIXL side channel do exactly that)."""
+    lo, hi = _ephemeral_range()
+    below, above = (10000, lo), (hi + 1, 65536)
+    start, stop = max(below, above, key=lambda r: r[1] - r[0])
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(start, stop) if stop - start > 1 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    with socket.socket() as s:  # every try taken (a crowded host): any free port, as before
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -92,3 +92,16 @@ def test_vllm_nixl_on_cpu_uses_host_buffers() -> None:
     cfg = _json.loads(cpu.extra_args[cpu.extra_args.index("--kv-transfer-config") + 1])
     assert cfg == {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     assert cpu.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5602"
+
+
+def test_free_ports_are_outside_the_ephemeral_range():
+    import socket
+
+    from orchestrator.disagg.launch import _ephemeral_range, free_port
+
+    lo, hi = _ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        assert not lo <= port <= hi and 1024 <= port < 65536
+        with socket.socket() as s:  # free when picked
+            s.bind(("127.0.0.1", port))
