@@ -220,7 +220,7 @@ def _self_test_texts(rng: random.Random, added: list[str], count: int = 64, atom
 
 
 # texts this long are counted from a numpy buffer before any Python list is made: an over-limit prompt (hostile sizes)
-# builds no list of ids (3M ids as a list hold the GIL ~90 ms; as a buffer ~8 ms), as Hugging Face's path does
+# builds no list of ids, whose making would hold the GIL for every id, as Hugging Face's path does
 _ARRAY_CHARS = 1 << 16
 
 

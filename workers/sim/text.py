@@ -48,8 +48,8 @@ class SimTokenizer:
         self._max_chars: int | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        # encode_batch_fast (tokenizers >= 0.21): the same ids without offsets, about half the CPU of encode, and the
-        # GIL released while it runs; the sim's CPU is not its timing (that comes from the profile), but 8-64 sims
+        # encode_batch_fast (tokenizers >= 0.21): the same ids without computing offsets, and the GIL released
+        # while it runs; the sim's CPU is not its timing (that comes from the profile), but 8-64 sims
         # share the benchmark machine with the component under test
         return self._encode_many([text], add_special_tokens=add_special_tokens)[0].ids
 
