@@ -6,7 +6,7 @@ ARGS ?=
 
 .PHONY: install vllm sglang redis run test test-fast bench clean
 
-$(BIN)/.installed: pyproject.toml setup.py router/_kvcore.c
+$(BIN)/.installed: pyproject.toml setup.py router/_kvcore.c orchestrator/_relaycore.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]' --config-settings editable_mode=compat

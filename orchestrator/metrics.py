@@ -119,10 +119,20 @@ class BatchedObserver:
     def flush(self) -> None:
         if not self._counts or not self._n:
             return
-        child, counts = self._child, self._counts
-        child._sum.inc(self._sum)
+        self.add(self._counts, self._sum, self._n)
+        self._counts = [0] * len(self._counts)
+        self._sum, self._n = 0.0, 0
+
+    @property
+    def bounds(self) -> tuple[float, ...] | None:
+        """The histogram's bucket upper bounds (+Inf last) when counts can be added in batches (`add`), else None."""
+        return tuple(self._bounds) if self._counts is not None else None
+
+    def add(self, counts: list[int], total: float, n: int) -> None:
+        """Add `n` observations summing to `total`, `counts[i]` of them in bucket i (counted by the caller, as the
+        SSE relay does: orchestrator/streaming.py)."""
+        child = self._child
+        child._sum.inc(total)
         for i, k in enumerate(counts):
             if k:
                 child._buckets[i].inc(k)
-                counts[i] = 0
-        self._sum, self._n = 0.0, 0

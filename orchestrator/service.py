@@ -60,13 +60,12 @@ from orchestrator.resilience.migration import (
     StreamTracker,
     continuation_body,
     migration_blocker,
-    strip_token_ids,
     usage_event,
 )
 from orchestrator.sessions import session_id_of
 from orchestrator.telemetry_recorder import FrontendTelemetry
 from orchestrator.tracing import Tracing
-from orchestrator.streaming import SseRelay, StreamStats, sse_error_event
+from orchestrator.streaming import Relay, StreamStats, sse_error_event
 from router import Endpoint, NoEndpointsError, RouteRequest, Router
 from workers.types import WorkerInfo, WorkerTask
 
@@ -510,6 +509,7 @@ class InferenceService:
         d.relay_started = True
         rreq, t0, model = d.rreq, d.t0, d.rreq.model
         itl = BatchedObserver(self.metrics.child(self.metrics.itl, model))  # per-token: counted here, added in batches
+        gap_bounds = itl.bounds  # the relay counts the gaps itself (orchestrator/streaming.py)
         tracker = StreamTracker() if d.blocker is None else None
         rewriter: ChunkRewriter | None = None
         migrations = 0
@@ -531,10 +531,10 @@ class InferenceService:
                 stats = StreamStats()
                 broke: str | None = None
                 ep = d.endpoint
-                relay = SseRelay(stats, d.include_usage and rewriter is None, first_token, itl.observe,
-                                 on_content=tracker.feed if tracker is not None else None,
-                                 transform=rewriter if rewriter is not None else (strip_token_ids if d.strip_ids else None),
-                                 forward_done=rewriter is None)
+                relay = Relay(stats, d.include_usage and rewriter is None, first_token, itl.observe,
+                              on_content=tracker.feed if tracker is not None else None, transform=rewriter,
+                              forward_done=rewriter is None, strip_ids=d.strip_ids, gap_bounds=gap_bounds,
+                              on_gaps=itl.add if gap_bounds is not None else None)
                 try:
                     if direct is not None:
                         await _relay_direct(d.resp, relay, direct)
@@ -548,6 +548,7 @@ class InferenceService:
                 except EngineStreamError as exc:
                     broke = str(exc) or type(exc).__name__
                 finally:
+                    relay.flush()
                     relayed += stats.content_events
                     await d.resp.aclose()
                 if broke is None:
@@ -755,7 +756,7 @@ def _settle_prompt_tokens(rreq: RouteRequest, usage) -> None:
             rreq.prompt_tokens = n
 
 
-async def _relay_direct(resp: EngineResponse, relay: SseRelay, direct: DirectBody) -> None:
+async def _relay_direct(resp: EngineResponse, relay: Relay, direct: DirectBody) -> None:
     """One engine stream relayed from its socket's read callback straight to the client's connection; the
     client's back-pressure pauses the engine read."""
     feed, write = relay.feed, direct.write

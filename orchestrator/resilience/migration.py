@@ -151,60 +151,103 @@ class _Chunk(msgspec.Struct):
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
+PENDING_BYTES = 1 << 16  # raw events a tracker holds before decoding them (~300 tokens of a chat stream)
+
+
 class StreamTracker:
     """Follows the content events the client received: identity, text, token ids, finish.
 
-    Decoding one chunk into these few typed fields costs about a microsecond (msgspec), so it runs
-    on every migratable stream; the relayed bytes themselves are never re-encoded.
+    Only a migration reads it, so `feed` just keeps the event as the engine wrote it, and the events are decoded
+    (msgspec, into these few typed fields) when a field is read, or in batches of PENDING_BYTES of raw events to bound
+    what a long stream holds. A stream that ends before PENDING_BYTES is never decoded; the relayed bytes themselves
+    are never re-encoded. Reading a field gives what an eager decode of every event fed so far would have given.
     """
 
     def __init__(self) -> None:
-        self.id: str | None = None
-        self.created: int | None = None
-        self.model: str | None = None
-        self.system_fingerprint: str | None = None
-        self.parts: list[str] = []
-        self.token_ids: list[int] | None = []  # None once a chunk came without ids
-        self.held = 0  # ids at the end whose text the engine held back (partial character, possible stop string)
-        self.finish_reason: str | None = None
-        self.events = 0
-        self.blocked: str | None = None  # set when something seen makes the stream unmigratable
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._id: str | None = None
+        self._created: int | None = None
+        self._model: str | None = None
+        self._system_fingerprint: str | None = None
+        self._parts: list[str] = []
+        self._token_ids: list[int] | None = []  # None once a chunk came without ids
+        self._held = 0  # ids at the end whose text the engine held back (partial character, possible stop string)
+        self._finish_reason: str | None = None
+        self._events = 0
+        self._blocked: str | None = None  # set when something seen makes the stream unmigratable
 
     def feed(self, ev: bytes) -> None:
         """One SSE event (b"data: {...}") that was relayed to the client."""
-        try:
-            c = _decode_chunk(ev[6:])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("unreadable engine chunk, the stream can no longer be migrated: %s", exc)
-            self.blocked = "unreadable chunk"
+        self._pending.append(ev)
+        self._pending_bytes += len(ev)
+        if self._pending_bytes > PENDING_BYTES:
+            self._absorb()
+
+    def _absorb(self) -> None:
+        pending = self._pending
+        if not pending:
             return
+        self._pending, self._pending_bytes = [], 0
+        for ev in pending:  # each on its own: a malformed event must not run into its neighbours
+            try:
+                c = _decode_chunk(memoryview(ev)[6:])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("unreadable engine chunk, the stream can no longer be migrated: %s", exc)
+                self._blocked = "unreadable chunk"
+                continue
+            self._take(c)
+
+    def _take(self, c: _Chunk) -> None:
         if c.error is not None:
-            self.blocked = "engine error event"
+            self._blocked = "engine error event"
             return
-        if self.id is None and c.id is not None:
-            self.id, self.created, self.model, self.system_fingerprint = c.id, c.created, c.model, c.system_fingerprint
+        if self._id is None and c.id is not None:
+            self._id, self._created, self._model, self._system_fingerprint = c.id, c.created, c.model, c.system_fingerprint
         for ch in c.choices:
             if ch.index != 0:
-                self.blocked = "n > 1"
+                self._blocked = "n > 1"
                 continue
             text = ch.text
             if ch.delta is not None:
                 d = ch.delta
                 if d.reasoning_content or d.reasoning or d.tool_calls:
-                    self.blocked = "reasoning or tool-call output"
+                    self._blocked = "reasoning or tool-call output"
                 text = d.content
             if text:
-                self.parts.append(text)
-            if self.token_ids is not None:
+                self._parts.append(text)
+            if self._token_ids is not None:
                 if ch.token_ids is None:
                     if text:  # output without ids (the role chunk and a bare finish chunk carry none)
-                        self.token_ids = None
+                        self._token_ids = None
                 else:
-                    self.token_ids.extend(ch.token_ids)
-                    self.held = 0 if text else self.held + len(ch.token_ids)
+                    self._token_ids.extend(ch.token_ids)
+                    self._held = 0 if text else self._held + len(ch.token_ids)
             if ch.finish_reason is not None:
-                self.finish_reason = ch.finish_reason
-        self.events += 1
+                self._finish_reason = ch.finish_reason
+        self._events += 1
+
+    def _field(name: str):  # noqa: N805 - a property factory, used in the class body only
+        attr = "_" + name
+
+        def get(self):
+            if self._pending:
+                self._absorb()
+            return getattr(self, attr)
+
+        return property(get)
+
+    id = _field("id")
+    created = _field("created")
+    model = _field("model")
+    system_fingerprint = _field("system_fingerprint")
+    parts = _field("parts")
+    token_ids = _field("token_ids")
+    held = _field("held")
+    finish_reason = _field("finish_reason")
+    events = _field("events")
+    blocked = _field("blocked")
+    del _field
 
     @property
     def text(self) -> str:

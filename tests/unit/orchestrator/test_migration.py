@@ -366,3 +366,50 @@ def test_strip_token_ids():
     ev = b'data: {"choices":[{"text":"a","prompt_token_ids":[1, 2,3],"token_ids":[4]}]}'
     assert strip_token_ids(ev) == b'data: {"choices":[{"text":"a","prompt_token_ids":null,"token_ids":null}]}'
     assert strip_token_ids(b'data: {"token_ids":null}') == b'data: {"token_ids":null}'
+
+
+def _tracker_state(t: StreamTracker) -> tuple:
+    return (t.id, t.created, t.model, t.system_fingerprint, list(t.parts), t.token_ids and list(t.token_ids), t.held,
+            t.finish_reason, t.events, t.blocked)
+
+
+def test_the_lazy_tracker_reads_as_an_eager_decode_would():
+    """Fields read at any point equal those of a tracker that decoded every event as it came (read after each feed)."""
+    import random
+
+    events = [
+        b'data: {"id":"c1","created":5,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}',
+        b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":" a"},"token_ids":[11]}]}',
+        b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":""},"token_ids":[12]}]}',
+        b'data: {"id":"c1","choices":[{"index":0,"text":"t","token_ids":[13,14]}]}',
+        b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":" b"}}]}',
+        b'data: {"id":"c1","choices":[{"index":1,"delta":{"content":"n2"}}]}',
+        b'data: {"id":"c1","choices":[{"index":0,"delta":{"reasoning_content":"hm"}}]}',
+        b'data: {"error":{"message":"x"}}',
+        b"data: {not json",
+        b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"."},"finish_reason":"stop","token_ids":[15]}]}',
+    ]
+    for seed in range(100):
+        rng = random.Random(seed)
+        stream = [rng.choice(events) for _ in range(rng.randint(1, 30))]
+        eager, lazy = StreamTracker(), StreamTracker()
+        for i, ev in enumerate(stream):
+            eager.feed(ev)
+            _tracker_state(eager)  # reading decodes: eager
+            lazy.feed(ev)
+            if rng.random() < 0.1:  # a read now and then, as a migration would
+                assert _tracker_state(lazy) == _tracker_state(eager)
+        assert _tracker_state(lazy) == _tracker_state(eager)
+        assert lazy.generated_ids(lambda s: [len(s)]) == eager.generated_ids(lambda s: [len(s)])
+
+
+def test_the_lazy_tracker_holds_a_bounded_window_of_raw_events():
+    from orchestrator.resilience import migration
+
+    t = StreamTracker()
+    ev = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":" word"},"token_ids":[7]}]}'
+    n = 3 * migration.PENDING_BYTES // len(ev)
+    for _ in range(n):
+        t.feed(ev)
+        assert t._pending_bytes <= migration.PENDING_BYTES
+    assert t.events == n and t.token_ids == [7] * n and "".join(t.parts) == " word" * n

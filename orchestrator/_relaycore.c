@@ -1,0 +1,604 @@
+/*
+ * orchestrator._relaycore — the SSE relay's per-chunk step in C.
+ *
+ * Every streamed token of every stream passes here (orchestrator/service.py feeds it from the engine socket's
+ * read callback), so this is kvyard's token data plane. The pure-Python `SseRelay` in orchestrator/streaming.py is
+ * the reference: the same constructor, the same bytes out for the same bytes in however the stream is cut into
+ * reads, the same callbacks in the same order, the same StreamStats at the end of each feed() (tests run both).
+ *
+ *   SseRelay(stats, forward_usage, on_first_token, on_gap, on_content=None, transform=None, forward_done=True,
+ *            strip_ids=False, gap_bounds=None, on_gaps=None, gap_every=64)
+ *       feed(chunk: bytes) -> bytes   the complete events of what arrived, each followed by a blank line; b"" when
+ *                                     none is complete yet (the rest waits for the next chunk)
+ *       flush()                       hands on any gaps counted but not yet reported (gap_bounds mode)
+ *
+ *   Per event (events end at a blank line, b"\n\n"; empty ones are skipped):
+ *     "data: [DONE]"                  stats.done = True; forwarded if forward_done
+ *     a usage-only chunk              ("data: {" with "usage" and "choices":[] / "choices": []) stats.usage =
+ *                                     json.loads(payload)["usage"] (kept as it was if that fails); forwarded
+ *                                     if forward_usage
+ *     any other "data: " event        content: stats.first_token_at / last_token_at (CLOCK_MONOTONIC, i.e.
+ *                                     time.perf_counter(); read once per feed), on_first_token() for the first,
+ *                                     the gap since the last one for the others; content_events += 1;
+ *                                     on_content(event) as the engine wrote it; then the event is rewritten by
+ *                                     transform(event) (None drops it) or, with strip_ids, every
+ *                                     `token_ids":[...]` becomes `token_ids":null` (migration.strip_token_ids)
+ *     anything else (comments, "event:" lines)  forwarded as it is
+ *   Gaps: with gap_bounds (a histogram's ascending upper bounds, +Inf last) each gap is counted in the bucket
+ *   bisect_left(gap_bounds, gap) and on_gaps(counts: list[int], sum: float, n: int) is called every gap_every
+ *   gaps and by flush(); without, on_gap(gap) is called per gap.
+ *   When the output is exactly the chunk (events forwarded unchanged, nothing held back) the chunk object itself is
+ *   returned: no copy.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE  /* memmem */
+#endif
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+#include <time.h>
+
+static PyObject *json_loads;  /* json.loads */
+static PyObject *s_done, *s_content_events, *s_first_token_at, *s_last_token_at, *s_usage;
+
+typedef struct {
+    char *p;
+    Py_ssize_t len, cap;
+} Buf;
+
+static int
+buf_reserve(Buf *b, Py_ssize_t extra)
+{
+    if (b->len + extra <= b->cap)
+        return 0;
+    Py_ssize_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + extra)
+        cap *= 2;
+    char *p = PyMem_Realloc(b->p, (size_t)cap);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static inline int
+buf_put(Buf *b, const char *s, Py_ssize_t n)
+{
+    if (buf_reserve(b, n) < 0)
+        return -1;
+    memcpy(b->p + b->len, s, (size_t)n);
+    b->len += n;
+    return 0;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *stats, *on_first_token, *on_gap, *on_content, *transform, *on_gaps;
+    int forward_usage, forward_done, strip_ids;
+    double *bounds;
+    long long *counts;
+    Py_ssize_t nbounds, gap_every, gap_n;
+    double gap_sum;
+    Buf tail;  /* an unterminated event, waiting for the rest */
+    Buf out;   /* scratch for the output */
+    int have_first, done;
+    double first_at, last_at;
+    Py_ssize_t content_events;
+} Relay;
+
+static double
+mono_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int
+report_gaps(Relay *self)
+{
+    if (self->gap_n == 0 || self->on_gaps == NULL)
+        return 0;
+    PyObject *counts = PyList_New(self->nbounds);
+    if (counts == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < self->nbounds; i++) {
+        PyObject *k = PyLong_FromLongLong(self->counts[i]);
+        if (k == NULL) {
+            Py_DECREF(counts);
+            return -1;
+        }
+        PyList_SET_ITEM(counts, i, k);
+    }
+    double sum = self->gap_sum;
+    Py_ssize_t n = self->gap_n;
+    memset(self->counts, 0, sizeof(long long) * (size_t)self->nbounds);
+    self->gap_sum = 0.0;
+    self->gap_n = 0;
+    PyObject *r = PyObject_CallFunction(self->on_gaps, "Ndn", counts, sum, n);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int
+record_gap(Relay *self, double gap)
+{
+    if (self->bounds == NULL) {
+        PyObject *g = PyFloat_FromDouble(gap);
+        if (g == NULL)
+            return -1;
+        PyObject *r = PyObject_CallOneArg(self->on_gap, g);
+        Py_DECREF(g);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    Py_ssize_t lo = 0, hi = self->nbounds;  /* bisect_left: the first bound >= gap */
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (self->bounds[mid] < gap)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo >= self->nbounds)  /* no +Inf bound given: the last bucket takes it */
+        lo = self->nbounds - 1;
+    self->counts[lo] += 1;
+    self->gap_sum += gap;
+    self->gap_n += 1;
+    if (self->gap_n >= self->gap_every)
+        return report_gaps(self);
+    return 0;
+}
+
+static const char DONE_EV[] = "data: [DONE]";
+static const char IDS_OPEN[] = "token_ids\":[";  /* 12 bytes; kept up to and including `token_ids":` (11) */
+
+static int
+is_usage_event(const char *ev, Py_ssize_t n)
+{
+    return memmem(ev, (size_t)n, "\"usage\"", 7) != NULL
+        && (memmem(ev, (size_t)n, "\"choices\":[]", 12) != NULL || memmem(ev, (size_t)n, "\"choices\": []", 13) != NULL);
+}
+
+/* every `token_ids":[...]` -> `token_ids":null`, into out (migration.strip_token_ids, byte for byte) */
+static int
+put_stripped(Buf *out, const char *ev, Py_ssize_t n)
+{
+    Py_ssize_t start = 0;
+    const char *hit = memmem(ev, (size_t)n, IDS_OPEN, 12);
+    while (hit != NULL) {
+        Py_ssize_t i = hit - ev;
+        const char *close = memchr(ev + i, ']', (size_t)(n - i));
+        if (close == NULL)
+            break;
+        if (buf_put(out, ev + start, i + 11 - start) < 0 || buf_put(out, "null", 4) < 0)
+            return -1;
+        start = (close - ev) + 1;
+        hit = start < n ? memmem(ev + start, (size_t)(n - start), IDS_OPEN, 12) : NULL;
+    }
+    return buf_put(out, ev + start, n - start);
+}
+
+static int
+set_usage(Relay *self, const char *payload, Py_ssize_t n)
+{
+    PyObject *raw = PyBytes_FromStringAndSize(payload, n);
+    if (raw == NULL)
+        return -1;
+    PyObject *obj = PyObject_CallOneArg(json_loads, raw);
+    Py_DECREF(raw);
+    PyObject *usage = NULL;
+    if (obj != NULL) {
+        usage = PyObject_GetItem(obj, s_usage);
+        Py_DECREF(obj);
+    }
+    if (usage == NULL) {  /* as the reference: ValueError, KeyError, TypeError leave stats.usage as it was */
+        if (PyErr_ExceptionMatches(PyExc_ValueError) || PyErr_ExceptionMatches(PyExc_KeyError)
+            || PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    int rc = PyObject_SetAttr(self->stats, s_usage, usage);
+    Py_DECREF(usage);
+    return rc;
+}
+
+static int
+sync_stats(Relay *self, int had_first, int was_done, Py_ssize_t events_before)
+{
+    if (self->done != was_done && PyObject_SetAttr(self->stats, s_done, self->done ? Py_True : Py_False) < 0)
+        return -1;
+    if (self->content_events != events_before) {
+        PyObject *v = PyLong_FromSsize_t(self->content_events);
+        if (v == NULL)
+            return -1;
+        int rc = PyObject_SetAttr(self->stats, s_content_events, v);
+        Py_DECREF(v);
+        if (rc < 0)
+            return -1;
+        v = PyFloat_FromDouble(self->last_at);
+        if (v == NULL)
+            return -1;
+        rc = PyObject_SetAttr(self->stats, s_last_token_at, v);
+        if (rc == 0 && !had_first)
+            rc = PyObject_SetAttr(self->stats, s_first_token_at, v);
+        Py_DECREF(v);
+        if (rc < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* One event (without its blank line). *verbatim stays 1 while the output so far is the input so far. Returns -1 on
+   error. `src`/`ev_start` let the first change copy the verbatim prefix into out. */
+static int
+handle_event(Relay *self, const char *ev, Py_ssize_t n, double *now, int *verbatim, const char *src)
+{
+    Buf *out = &self->out;
+#define FORWARD_AS_IS()                                                                          \
+    do {                                                                                         \
+        if (!*verbatim && (buf_put(out, ev, n) < 0 || buf_put(out, "\n\n", 2) < 0))              \
+            return -1;                                                                           \
+    } while (0)
+#define LEAVE_VERBATIM()                                                                         \
+    do {                                                                                         \
+        if (*verbatim) {                                                                         \
+            *verbatim = 0;                                                                       \
+            if (buf_put(out, src, ev - src) < 0)                                                 \
+                return -1;                                                                       \
+        }                                                                                        \
+    } while (0)
+
+    if (n == 12 && memcmp(ev, DONE_EV, 12) == 0) {
+        self->done = 1;
+        if (self->forward_done)
+            FORWARD_AS_IS();
+        else
+            LEAVE_VERBATIM();
+        return 0;
+    }
+    if (n >= 7 && memcmp(ev, "data: {", 7) == 0 && is_usage_event(ev, n)) {
+        if (set_usage(self, ev + 6, n - 6) < 0)
+            return -1;
+        if (self->forward_usage)
+            FORWARD_AS_IS();
+        else
+            LEAVE_VERBATIM();
+        return 0;
+    }
+    if (n >= 6 && memcmp(ev, "data: ", 6) == 0) {
+        if (*now < 0)
+            *now = mono_now();
+        if (!self->have_first) {
+            self->have_first = 1;
+            self->first_at = *now;
+            PyObject *r = PyObject_CallNoArgs(self->on_first_token);
+            if (r == NULL)
+                return -1;
+            Py_DECREF(r);
+        }
+        else if (record_gap(self, *now - self->last_at) < 0)
+            return -1;
+        self->last_at = *now;
+        self->content_events += 1;
+        PyObject *evb = NULL;
+        if (self->on_content != NULL || self->transform != NULL) {
+            evb = PyBytes_FromStringAndSize(ev, n);
+            if (evb == NULL)
+                return -1;
+        }
+        if (self->on_content != NULL) {
+            PyObject *r = PyObject_CallOneArg(self->on_content, evb);
+            if (r == NULL) {
+                Py_DECREF(evb);
+                return -1;
+            }
+            Py_DECREF(r);
+        }
+        if (self->transform != NULL) {
+            PyObject *r = PyObject_CallOneArg(self->transform, evb);
+            Py_DECREF(evb);
+            if (r == NULL)
+                return -1;
+            LEAVE_VERBATIM();
+            if (r == Py_None) {
+                Py_DECREF(r);
+                return 0;
+            }
+            if (!PyBytes_Check(r)) {
+                Py_DECREF(r);
+                PyErr_SetString(PyExc_TypeError, "transform must return bytes or None");
+                return -1;
+            }
+            int rc = buf_put(out, PyBytes_AS_STRING(r), PyBytes_GET_SIZE(r));
+            Py_DECREF(r);
+            if (rc < 0 || buf_put(out, "\n\n", 2) < 0)
+                return -1;
+            return 0;
+        }
+        Py_XDECREF(evb);
+        if (self->strip_ids && memmem(ev, (size_t)n, IDS_OPEN, 12) != NULL) {
+            LEAVE_VERBATIM();
+            if (put_stripped(out, ev, n) < 0 || buf_put(out, "\n\n", 2) < 0)
+                return -1;
+            return 0;
+        }
+        FORWARD_AS_IS();
+        return 0;
+    }
+    FORWARD_AS_IS();
+    return 0;
+#undef FORWARD_AS_IS
+#undef LEAVE_VERBATIM
+}
+
+static PyObject *
+Relay_feed(Relay *self, PyObject *chunk)
+{
+    if (!PyBytes_Check(chunk)) {
+        PyErr_SetString(PyExc_TypeError, "feed() takes bytes");
+        return NULL;
+    }
+    const char *data = PyBytes_AS_STRING(chunk);
+    Py_ssize_t n = PyBytes_GET_SIZE(chunk);
+    int from_tail = self->tail.len > 0;
+    if (from_tail) {
+        if (buf_put(&self->tail, data, n) < 0)
+            return NULL;
+        data = self->tail.p;
+        n = self->tail.len;
+    }
+    const char *last = NULL;  /* the last blank line */
+    for (const char *p = data; (p = memmem(p, (size_t)(n - (p - data)), "\n\n", 2)) != NULL; p += 2)
+        last = p;
+    if (last == NULL) {
+        if (!from_tail && buf_put(&self->tail, data, n) < 0)
+            return NULL;
+        return PyBytes_FromStringAndSize(NULL, 0);
+    }
+    int had_first = self->have_first, was_done = self->done;
+    Py_ssize_t events_before = self->content_events;
+    int verbatim = !from_tail;
+    double now = -1.0;
+    self->out.len = 0;
+    const char *pos = data, *end = last + 2;
+    int rc = 0;
+    while (pos < end) {
+        const char *blank = memmem(pos, (size_t)(end - pos), "\n\n", 2);
+        if (blank == pos) {  /* an empty event: skipped */
+            if (verbatim) {
+                verbatim = 0;
+                if (buf_put(&self->out, data, pos - data) < 0) {
+                    rc = -1;
+                    break;
+                }
+            }
+            pos += 2;
+            continue;
+        }
+        if ((rc = handle_event(self, pos, blank - pos, &now, &verbatim, data)) < 0)
+            break;
+        pos = blank + 2;
+    }
+    PyObject *result = NULL;
+    if (rc == 0) {
+        Py_ssize_t rest = n - (end - data);
+        if (verbatim && rest == 0) {
+            Py_INCREF(chunk);
+            result = chunk;
+        }
+        else if (verbatim)
+            result = PyBytes_FromStringAndSize(data, end - data);
+        else
+            result = PyBytes_FromStringAndSize(self->out.p, self->out.len);
+    }
+    /* what follows the last blank line waits for the next chunk (kept even on error, as the reference's buffer) */
+    Py_ssize_t rest = n - (end - data);
+    if (from_tail) {
+        memmove(self->tail.p, end, (size_t)rest);
+        self->tail.len = rest;
+    }
+    else {
+        self->tail.len = 0;
+        if (rest && buf_put(&self->tail, end, rest) < 0) {
+            Py_XDECREF(result);
+            return NULL;
+        }
+    }
+    if (self->out.cap > (1 << 16)) {  /* a rare large chunk: do not keep its scratch for the stream's life */
+        PyMem_Free(self->out.p);
+        self->out.p = NULL;
+        self->out.cap = self->out.len = 0;
+    }
+    if (sync_stats(self, had_first, was_done, events_before) < 0) {
+        Py_XDECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+static PyObject *
+Relay_flush(Relay *self, PyObject *Py_UNUSED(ignored))
+{
+    if (report_gaps(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static int
+Relay_traverse(Relay *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->stats);
+    Py_VISIT(self->on_first_token);
+    Py_VISIT(self->on_gap);
+    Py_VISIT(self->on_content);
+    Py_VISIT(self->transform);
+    Py_VISIT(self->on_gaps);
+    return 0;
+}
+
+static int
+Relay_clear(Relay *self)
+{
+    Py_CLEAR(self->stats);
+    Py_CLEAR(self->on_first_token);
+    Py_CLEAR(self->on_gap);
+    Py_CLEAR(self->on_content);
+    Py_CLEAR(self->transform);
+    Py_CLEAR(self->on_gaps);
+    return 0;
+}
+
+static void
+Relay_dealloc(Relay *self)
+{
+    PyObject_GC_UnTrack(self);
+    Relay_clear(self);
+    PyMem_Free(self->tail.p);
+    PyMem_Free(self->out.p);
+    PyMem_Free(self->bounds);
+    PyMem_Free(self->counts);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+none_to_null(PyObject *o)
+{
+    return (o == NULL || o == Py_None) ? NULL : o;
+}
+
+static int
+Relay_init(Relay *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"stats", "forward_usage", "on_first_token", "on_gap", "on_content", "transform",
+                            "forward_done", "strip_ids", "gap_bounds", "on_gaps", "gap_every", NULL};
+    PyObject *stats, *on_first_token, *on_gap, *on_content = NULL, *transform = NULL, *bounds = NULL, *on_gaps = NULL;
+    int forward_usage, forward_done = 1, strip_ids = 0;
+    Py_ssize_t gap_every = 64;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OpOO|OOppOOn", names, &stats, &forward_usage, &on_first_token, &on_gap,
+                                     &on_content, &transform, &forward_done, &strip_ids, &bounds, &on_gaps, &gap_every))
+        return -1;
+    bounds = none_to_null(bounds);
+    on_gaps = none_to_null(on_gaps);
+    if (bounds != NULL) {
+        if (on_gaps == NULL || gap_every < 1) {
+            PyErr_SetString(PyExc_ValueError, "gap_bounds needs on_gaps and gap_every >= 1");
+            return -1;
+        }
+        PyObject *seq = PySequence_Fast(bounds, "gap_bounds must be a sequence of floats");
+        if (seq == NULL)
+            return -1;
+        Py_ssize_t nb = PySequence_Fast_GET_SIZE(seq);
+        if (nb < 1) {
+            Py_DECREF(seq);
+            PyErr_SetString(PyExc_ValueError, "gap_bounds must not be empty");
+            return -1;
+        }
+        double *b = PyMem_Calloc((size_t)nb, sizeof(double));
+        long long *c = PyMem_Calloc((size_t)nb, sizeof(long long));
+        if (b == NULL || c == NULL) {
+            PyMem_Free(b);
+            PyMem_Free(c);
+            Py_DECREF(seq);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < nb; i++) {
+            b[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+            if (b[i] == -1.0 && PyErr_Occurred()) {
+                PyMem_Free(b);
+                PyMem_Free(c);
+                Py_DECREF(seq);
+                return -1;
+            }
+        }
+        Py_DECREF(seq);
+        PyMem_Free(self->bounds);
+        PyMem_Free(self->counts);
+        self->bounds = b;
+        self->counts = c;
+        self->nbounds = nb;
+    }
+    Py_INCREF(stats);
+    Py_XSETREF(self->stats, stats);
+    Py_INCREF(on_first_token);
+    Py_XSETREF(self->on_first_token, on_first_token);
+    Py_INCREF(on_gap);
+    Py_XSETREF(self->on_gap, on_gap);
+    on_content = none_to_null(on_content);
+    Py_XINCREF(on_content);
+    Py_XSETREF(self->on_content, on_content);
+    transform = none_to_null(transform);
+    Py_XINCREF(transform);
+    Py_XSETREF(self->transform, transform);
+    Py_XINCREF(on_gaps);
+    Py_XSETREF(self->on_gaps, on_gaps);
+    self->forward_usage = forward_usage;
+    self->forward_done = forward_done;
+    self->strip_ids = strip_ids;
+    self->gap_every = gap_every;
+    return 0;
+}
+
+static PyMethodDef Relay_methods[] = {
+    {"feed", (PyCFunction)Relay_feed, METH_O, "feed(chunk) -> the complete events relayed now (bytes)"},
+    {"flush", (PyCFunction)Relay_flush, METH_NOARGS, "hand on the gaps counted and not yet reported"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RelayType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "orchestrator._relaycore.SseRelay",
+    .tp_basicsize = sizeof(Relay),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The SSE relay's per-chunk step (orchestrator/streaming.py's SseRelay, in C).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Relay_init,
+    .tp_dealloc = (destructor)Relay_dealloc,
+    .tp_traverse = (traverseproc)Relay_traverse,
+    .tp_clear = (inquiry)Relay_clear,
+    .tp_methods = Relay_methods,
+};
+
+static struct PyModuleDef relaycore_module = {
+    PyModuleDef_HEAD_INIT, "orchestrator._relaycore", "The SSE relay's per-chunk step in C.", -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__relaycore(void)
+{
+    if (PyType_Ready(&RelayType) < 0)
+        return NULL;
+    PyObject *json = PyImport_ImportModule("json");
+    if (json == NULL)
+        return NULL;
+    json_loads = PyObject_GetAttrString(json, "loads");
+    Py_DECREF(json);
+    if (json_loads == NULL)
+        return NULL;
+    if ((s_done = PyUnicode_InternFromString("done")) == NULL
+        || (s_content_events = PyUnicode_InternFromString("content_events")) == NULL
+        || (s_first_token_at = PyUnicode_InternFromString("first_token_at")) == NULL
+        || (s_last_token_at = PyUnicode_InternFromString("last_token_at")) == NULL
+        || (s_usage = PyUnicode_InternFromString("usage")) == NULL)
+        return NULL;
+    PyObject *m = PyModule_Create(&relaycore_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RelayType);
+    if (PyModule_AddObject(m, "SseRelay", (PyObject *)&RelayType) < 0) {
+        Py_DECREF(&RelayType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
