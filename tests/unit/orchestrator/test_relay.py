@@ -93,6 +93,9 @@ _ATOMS = [
     b"",  # an empty event
     b"\n",
     b'data: {"error":{"message":"boom"}}',
+    b'data: {"choices":[{"text":"ends on an open list","token_ids":[',  # the needle at the very end
+    b'data: {"id":"c","choices":[{"text":"\\n\\n token_ids\\":[ usage","token_ids":[8]}]}',  # lookalikes in a string
+    b"\ndata: [DONE]",
 ]
 
 
