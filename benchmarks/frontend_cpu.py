@@ -75,10 +75,10 @@ def text(rng: random.Random, tokens: int) -> str:
     return "".join(out)
 
 
-def frontend(port: int, redis_url: str, prefix: str, log: Path, tree: Path) -> subprocess.Popen:
+def frontend(port: int, redis_url: str, prefix: str, log: Path, tree: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "warning", "frontend", "--port", str(port),
-                             "--grpc-port", "0", "--redis-url", redis_url, "--discovery-prefix", prefix],
+                             "--grpc-port", "0", "--redis-url", redis_url, "--discovery-prefix", prefix, *extra],
                             stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env, cwd=str(tree))
 
 

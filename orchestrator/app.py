@@ -15,6 +15,7 @@ from orchestrator.access_log import AccessLogMiddleware
 from orchestrator.config import FrontendConfig
 from orchestrator.disagg import DisaggCoordinator
 from orchestrator.errors import install_error_handlers
+from orchestrator.heap import GcPauses, settle
 from orchestrator.loopwatch import LoopWatch
 from orchestrator.metrics import FrontendMetrics
 from orchestrator.pool import WorkerPool
@@ -88,8 +89,11 @@ def make_guards(cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> 
     return InferenceGuard(keys, limiter, metrics=metrics), admin
 
 
-def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing: Tracing | None = None) -> FastAPI:
-    """`tracing`: the request tracer to use instead of cfg.telemetry.tracing's (tests: one with an in-memory exporter)."""
+def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing: Tracing | None = None,
+               owns_process: bool = False) -> FastAPI:
+    """`tracing`: the request tracer to use instead of cfg.telemetry.tracing's (tests: one with an in-memory exporter).
+    `owns_process`: the app is the process's server (`kvyard frontend`, `kvyard up`), not embedded in a test or
+    another program: with cfg.gc_freeze it then settles the process's heap (orchestrator/heap.py)."""
     discovery = discovery or make_discovery(cfg)
     metrics = FrontendMetrics()
     router = build_router(cfg)  # orchestrator/routing.py: also what `kvyard replay` routes with
@@ -108,12 +112,19 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
     sec = cfg.security
     tls = TlsFiles.load(sec.tls_cert_file, sec.tls_key_file) if sec.tls_cert_file else None  # checked now; uvicorn and gRPC use it
     loopwatch = LoopWatch(metrics.loop_lag, metrics.loop_stalls, cfg.loop_stall_s) if cfg.loop_stall_s else None
+    gc_pauses = GcPauses(metrics.gc_pause)  # every collection's pause, on /metrics (orchestrator/heap.py)
+    settle_heap = owns_process and cfg.gc_freeze
+    if settle_heap:  # each model's tokenizer, once loaded and checked, out of the full collections
+        pool.on_tokenizer_ready.append(lambda model: settle(f"the tokenizer of {model} loaded"))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if loopwatch is not None:
             loopwatch.start()
+        gc_pauses.start()
         await pool.start()
+        if settle_heap:  # start-up done: the imports and the app out of the full collections
+            settle("start-up")
         if service.telemetry is not None:
             service.telemetry.start()
         try:
@@ -134,6 +145,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
                 await store.close()
             if loopwatch is not None:
                 await loopwatch.close()
+            gc_pauses.stop()
             service.tracing.shutdown()  # the last spans flushed
 
     app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan, **_NO_FASTAPI_TELEMETRY)

@@ -72,7 +72,7 @@ async def run_up(ccfg: ClusterConfig) -> int:
         cluster = LocalCluster(ccfg, discovery)
         log.info("starting %d %s workers…", ccfg.workers, ccfg.backend)
         await cluster.start()
-    app = create_app(fcfg, discovery)
+    app = create_app(fcfg, discovery, owns_process=True)
     server = await _serve(app, fcfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -209,7 +209,7 @@ async def run_frontend(cfg: FrontendConfig) -> int:
         raise SystemExit("kvyard frontend: --redis-url (or KVYARD_REDIS_URL) is required: the frontend finds its workers in "
                          "Redis. For a self-contained local cluster (engines, frontend and in-memory registry in one "
                          "process), run `kvyard up`.")
-    server = await _serve(create_app(cfg), cfg)
+    server = await _serve(create_app(cfg, owns_process=True), cfg)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

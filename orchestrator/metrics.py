@@ -61,6 +61,9 @@ class FrontendMetrics:
         # the event loop itself (orchestrator/loopwatch.py): how late it turns, and stalls past loop_stall_s
         self.loop_lag = Histogram("kvyard_event_loop_lag_seconds", "How late the frontend's event loop ran a timer",
                                   buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.gc_pause = Histogram("kvyard_gc_pause_seconds", "How long each garbage collection stopped the frontend "
+                                  "(orchestrator/heap.py)", ["generation"],
+                                  buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.loop_stalls = Counter("kvyard_event_loop_stalls", "Times the frontend's event loop ran later than loop_stall_s", registry=r)
         self.disagg_prefill = Histogram("kvyard_disagg_prefill_seconds", "Remote prefill: request sent to hand-off received",
                                         ["model"], buckets=_LAT, registry=r)

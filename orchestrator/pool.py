@@ -74,6 +74,8 @@ class WorkerPool:
         self.on_worker_left: list[Callable[[str], None]] = []  # called with the worker id after the router forgot it
         self.on_worker_joined: list[Callable[[LiveWorker], None]] = []  # called once it is routable, after its first scrape
         self.on_worker_unresponsive: list[Callable[[str, str], None]] = []  # (worker id, why) after liveness_failures scrapes
+        self.on_tokenizer_ready: list[Callable[[str], None]] = []  # called with the model once its tokenizer loaded and was checked
+        self._side: set[asyncio.Task] = set()  # one-off tasks (tokenizer-ready hooks), cancelled on close
 
     async def start(self) -> None:
         await self.refresh()
@@ -82,9 +84,10 @@ class WorkerPool:
 
     async def close(self) -> None:
         scrapes = [w.scrape_task for w in self.workers.values() if w.scrape_task is not None]
-        for t in self._tasks + scrapes:
+        side = list(self._side)
+        for t in self._tasks + scrapes + side:
             t.cancel()
-        await asyncio.gather(*self._tasks, *scrapes, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *scrapes, *side, return_exceptions=True)
         await self._client.close()
         if self.ingestor is not None:
             await self.ingestor.close()
@@ -172,11 +175,22 @@ class WorkerPool:
         """Load the tokenizer off the event loop (a large vocabulary takes a second or more to parse);
         requests use it only once it is ready, so none ever waits on the load."""
         try:
-            await asyncio.to_thread(load_tokenizer, folder, self.fast_bpe)
+            tok = await asyncio.to_thread(load_tokenizer, folder, self.fast_bpe)
         except Exception as exc:  # tokenizers raises plain Exception on bad files; a bad upload must not stop refresh
             log.warning("cannot load the tokenizer of %s from %s: %s", model, folder, exc)
             return
         self.tokenizer_dirs[model] = folder
+        if self.on_tokenizer_ready:  # after its encoder check (its own thread), the hooks (the app's heap settle)
+            self._side.add(task := asyncio.ensure_future(self._tokenizer_ready(model, tok)))
+            task.add_done_callback(self._side.discard)
+
+    async def _tokenizer_ready(self, model: str, tok) -> None:
+        await asyncio.to_thread(tok.wait_fast, 120.0)
+        for hook in self.on_tokenizer_ready:
+            try:
+                hook(model)
+            except Exception:  # a hook's bug must not stop the pool
+                log.exception("tokenizer-ready hook failed for %s", model)
 
     async def _scrape_one(self, live: LiveWorker) -> None:
         try:

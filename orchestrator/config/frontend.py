@@ -156,6 +156,9 @@ class FrontendConfig(BaseModel):
                                      "orchestrator/token_cache.py)")
     fast_bpe: bool = Field(True, description="tokenize prompts with tiktoken's BPE core where it gives the tokenizer's "
                            "own ids (checked when the tokenizer loads; about a fifth of the CPU; orchestrator/fast_bpe.py)")
+    gc_freeze: bool = Field(True, description="keep the permanent heap (imports, the app, tokenizers) out of the garbage "
+                            "collector's full collections, which otherwise stop the event loop for tens of ms "
+                            "(`kvyard frontend` and `kvyard up`; orchestrator/heap.py)")
     log_requests: bool = Field(False, description="access log: one line per inference request on the kvyard.access logger "
                                                   "(status, worker, tokens, queue/TTFT/total time; orchestrator/access_log.py)")
     log_requests_format: Literal["text", "json"] = Field("text", description="access log lines as key=value text or JSON")

@@ -1,0 +1,202 @@
+"""Garbage-collector pauses of the frontend, with `frontend.gc_freeze` on (the default) and off, side by side.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/gc_pauses.py [--seconds 60] [--rounds 2]
+
+Every collection stops the frontend's one event loop (orchestrator/heap.py). Two measurements:
+  in-process   the app built as `kvyard frontend` builds it, with the sim's tokenizer loaded and its fast encoder
+               checked: one full collection's time (the best of 5) before and after heap.settle()
+  under load   two sim engines (KV events on), two `kvyard frontend` processes of this tree on them, one with
+               `--set frontend.gc_freeze=false`; each in turn (rotated per round) streams 64-token prompts with 512
+               output tokens at concurrency 256, closed loop, for --seconds; its own `kvyard_gc_pause_seconds`
+               (orchestrator/metrics.py) is read from /metrics before and after: collections and their seconds per
+               generation, and collections that took 25 ms or more (from the histogram's buckets)
+Needs Redis on 127.0.0.1:6379. Writes benchmarks/results/gc_pauses.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import result_header  # noqa: E402
+from benchmarks.frontend_cpu import CTX, closed_loop, frontend, short_bodies  # noqa: E402
+from benchmarks.frontend_overhead import cpu_seconds, wait_http  # noqa: E402
+from orchestrator.testing import free_port  # noqa: E402
+from workers.discovery import RedisDiscovery  # noqa: E402
+from workers.process import EngineProcess  # noqa: E402
+from workers.registry import get_backend  # noqa: E402
+from workers.sim.backend import SIM_TOKENIZER_DIR  # noqa: E402
+from workers.types import EngineLaunchConfig, WorkerInfo  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+SLOW_S = 0.025
+
+
+def in_process() -> dict:
+    from orchestrator.app import create_app
+    from orchestrator.config import FrontendConfig
+    from orchestrator.heap import settle
+    from orchestrator.tokenizer import load_tokenizer
+
+    create_app(FrontendConfig())
+    load_tokenizer(str(SIM_TOKENIZER_DIR)).wait_fast(120)
+
+    def full_ms() -> float:
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            gc.collect()
+            best = min(best, time.perf_counter() - t)
+        return round(best * 1000, 3)
+
+    before = {"tracked_objects": len(gc.get_objects()), "full_collection_ms": full_ms()}
+    settle("the benchmark's start-up")
+    after = {"tracked_objects": len(gc.get_objects()), "frozen": gc.get_freeze_count(), "full_collection_ms": full_ms()}
+    gc.unfreeze()
+    return {"before_settle": before, "after_settle": after}
+
+
+def _gc_series(text: str) -> dict:
+    """kvyard_gc_pause_seconds per generation: count, sum, and how many took SLOW_S or more."""
+    out: dict = {}
+    for line in text.splitlines():
+        if not line.startswith("kvyard_gc_pause_seconds"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        gen = name.split('generation="', 1)[1].split('"', 1)[0]
+        g = out.setdefault(gen, {"count": 0.0, "sum": 0.0, "le": {}})
+        if name.startswith("kvyard_gc_pause_seconds_count"):
+            g["count"] = float(value)
+        elif name.startswith("kvyard_gc_pause_seconds_sum"):
+            g["sum"] = float(value)
+        elif name.startswith("kvyard_gc_pause_seconds_bucket"):
+            le = name.split('le="', 1)[1].split('"', 1)[0]
+            g["le"][le] = float(value)
+    for g in out.values():
+        below = max((v for le, v in g["le"].items() if le != "+Inf" and float(le) < SLOW_S - 1e-9), default=0.0)
+        g["slow"] = g["count"] - below
+        del g["le"]
+    return out
+
+
+async def _metrics(session: aiohttp.ClientSession, port: int) -> dict:
+    async with session.get(f"http://127.0.0.1:{port}/metrics") as r:
+        return _gc_series(await r.text())
+
+
+async def under_load(args) -> list[dict]:
+    tmp = Path(tempfile.mkdtemp(prefix="kvyard-gc-"))
+    prefix = f"kvyard-bench-{uuid.uuid4().hex[:6]}"
+    engines = []
+    for i in range(2):
+        e = EngineProcess(get_backend("sim"), EngineLaunchConfig(
+            model="h200-llama3.1-8b", served_model_name="sim", port=free_port(), block_size=16, max_model_len=CTX,
+            max_num_batched_tokens=CTX, kv_events_endpoint=f"ipc://{tmp}/kv{i}.sock", kv_replay_endpoint=f"ipc://{tmp}/replay{i}.sock",
+            extra_args=["--speedup", str(args.speedup), "--num-gpu-blocks", "40000"]), tmp / f"engine{i}.log")
+        e.start()
+        engines.append(e)
+    for e in engines:
+        await e.wait_healthy(90)
+    disc = RedisDiscovery(args.redis_url, prefix=prefix)
+    for i, e in enumerate(engines):
+        await disc.register(WorkerInfo(worker_id=f"sim-{i}", model="sim", backend="sim", url=e.url, block_size=16, max_model_len=CTX,
+                                       tokenizer=str(SIM_TOKENIZER_DIR), kv_events_endpoint=f"ipc://{tmp}/kv{i}.sock",
+                                       kv_replay_endpoint=f"ipc://{tmp}/replay{i}.sock", kv_events_topic="kv-events"), ttl_s=3600)
+    modes = {"freeze": (), "no-freeze": ("--set", "frontend.gc_freeze=false")}
+    ports = {k: free_port() for k in modes}
+    procs = {k: frontend(ports[k], args.redis_url, prefix, tmp / f"frontend-{k}.log", ROOT, extra) for k, extra in modes.items()}
+    rows: list[dict] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            for p in ports.values():
+                await wait_http(f"http://127.0.0.1:{p}/health", 60)
+            await asyncio.sleep(3.0)  # the pool's first refresh, the tokenizer's load and check
+            for p in ports.values():
+                await closed_loop(f"http://127.0.0.1:{p}", 4, short_bodies(8, 16, 99))
+            await asyncio.sleep(2.0)
+            names = list(modes)
+            for rnd in range(args.rounds):
+                for k in names[rnd % 2:] + names[:rnd % 2]:
+                    before, cpu0 = await _metrics(session, ports[k]), cpu_seconds(procs[k].pid)
+                    t0, res, n = time.perf_counter(), [], 0
+                    while time.perf_counter() - t0 < args.seconds:
+                        got, _ = await closed_loop(f"http://127.0.0.1:{ports[k]}", args.concurrency,
+                                                   short_bodies(args.concurrency, 512, 1000 * rnd + n))
+                        res += got
+                        n += 1
+                    wall, cpu = time.perf_counter() - t0, cpu_seconds(procs[k].pid) - cpu0
+                    after = await _metrics(session, ports[k])
+                    gens = {g: {"collections": int(after[g]["count"] - before.get(g, {}).get("count", 0)),
+                                "seconds": round(after[g]["sum"] - before.get(g, {}).get("sum", 0.0), 4),
+                                f"at_least_{int(SLOW_S * 1000)}ms": int(after[g]["slow"] - before.get(g, {}).get("slow", 0))}
+                            for g in sorted(after)}
+                    ok = [r for r in res if r["ok"]]
+                    row = {"round": rnd, "mode": k, "requests": len(res), "errors": len(res) - len(ok), "wall_s": round(wall, 1),
+                           "cpu_s": round(cpu, 2), "gc_seconds": round(sum(g["seconds"] for g in gens.values()), 4),
+                           "gc_share_of_cpu": round(sum(g["seconds"] for g in gens.values()) / cpu, 4) if cpu else None,
+                           "generations": gens}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+            proc.wait(10)
+        for i in range(len(engines)):
+            await disc.deregister(f"sim-{i}")
+        await disc.close()
+        for e in engines:
+            await e.stop()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=60.0, help="load per frontend and round")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--speedup", type=float, default=2.0)
+    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--out", default="gc_pauses")
+    a = ap.parse_args()
+    result = result_header("gc_pauses") | {"command": "benchmarks/gc_pauses.py " + " ".join(sys.argv[1:])}
+    result["in_process"] = in_process()
+    print(json.dumps(result["in_process"]), flush=True)
+    result["under_load"] = asyncio.run(under_load(a))
+    result["loadavg"]["end"] = round(os.getloadavg()[0], 2)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{a.out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    ip = result["in_process"]
+    md = ["# Garbage-collector pauses of the frontend: gc_freeze on and off", "",
+          f"`{result['command']}`; {result['when']}, {result['machine']}, load {result['loadavg']['start']}.", "",
+          f"In-process, the app and the sim's tokenizer loaded: a full collection takes "
+          f"{ip['before_settle']['full_collection_ms']} ms over {ip['before_settle']['tracked_objects']:,} tracked objects; "
+          f"after heap.settle() {ip['after_settle']['full_collection_ms']} ms over {ip['after_settle']['tracked_objects']:,} "
+          f"({ip['after_settle']['frozen']:,} frozen).", "",
+          "Under load (streams of 512 tokens at concurrency " + str(a.concurrency) + f", {a.seconds:g} s per frontend and round):", "",
+          "| round | gc_freeze | requests | frontend CPU-s | GC seconds (gen 0 / 1 / 2) | full collections | collections >= 25 ms | GC share of CPU |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in result["under_load"]:
+        g = r["generations"]
+        secs = " / ".join(f"{g.get(k, {}).get('seconds', 0):.3f}" for k in ("0", "1", "2"))
+        slow = sum(v[f"at_least_{int(SLOW_S * 1000)}ms"] for v in g.values())
+        md.append(f"| {r['round']} | {'on' if r['mode'] == 'freeze' else 'off'} | {r['requests']} | {r['cpu_s']} | {secs} | "
+                  f"{g.get('2', {}).get('collections', 0)} | {slow} | {r['gc_share_of_cpu']:.1%} |")
+    (RESULTS / f"{a.out}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
