@@ -162,6 +162,29 @@ async def under_load(args) -> list[dict]:
     return rows
 
 
+def render(result: dict, concurrency: int, seconds: float) -> list[str]:
+    ip = result["in_process"]
+    md = ["# Garbage-collector pauses of the frontend: gc_freeze on and off", "",
+          f"`{result['command']}`; {result['when']}, {result['machine']}, load {result['loadavg']['start']}.", "",
+          f"In-process, the app and the sim's tokenizer loaded: a full collection takes "
+          f"{ip['before_settle']['full_collection_ms']} ms over {ip['before_settle']['tracked_objects']:,} tracked objects; "
+          f"after heap.settle() {ip['after_settle']['full_collection_ms']} ms over {ip['after_settle']['tracked_objects']:,} "
+          f"({ip['after_settle']['frozen']:,} frozen).", "",
+          f"Under load (streams of 512 tokens at concurrency {concurrency}, {seconds:g} s per frontend and round):", "",
+          "| round | gc_freeze | requests / s | frontend CPU-s | GC seconds (gen 0 / 1 / 2) | full collections: count, mean ms "
+          "| collections >= 25 ms | GC share of CPU |",
+          "|---|---|---|---|---|---|---|---|"]
+    for r in result["under_load"]:
+        g = r["generations"]
+        secs = " / ".join(f"{g.get(k, {}).get('seconds', 0):.3f}" for k in ("0", "1", "2"))
+        slow = sum(v[f"at_least_{int(SLOW_S * 1000)}ms"] for v in g.values())
+        full = g.get("2", {"collections": 0, "seconds": 0.0})
+        mean = f"{full['seconds'] / full['collections'] * 1000:.0f}" if full["collections"] else "-"
+        md.append(f"| {r['round']} | {'on' if r['mode'] == 'freeze' else 'off'} | {r['requests'] / r['wall_s']:.1f} | {r['cpu_s']} | "
+                  f"{secs} | {full['collections']}, {mean} | {slow} | {r['gc_share_of_cpu']:.1%} |")
+    return md
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="load per frontend and round")
@@ -170,7 +193,12 @@ def main() -> None:
     ap.add_argument("--speedup", type=float, default=2.0)
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--out", default="gc_pauses")
+    ap.add_argument("--render", type=Path, default=None, help="only rewrite the .md from this gc_pauses.json")
     a = ap.parse_args()
+    if a.render:
+        saved = json.loads(a.render.read_text())
+        a.render.with_suffix(".md").write_text("\n".join(render(saved, a.concurrency, a.seconds)) + "\n")
+        return
     result = result_header("gc_pauses") | {"command": "benchmarks/gc_pauses.py " + " ".join(sys.argv[1:])}
     result["in_process"] = in_process()
     print(json.dumps(result["in_process"]), flush=True)
@@ -178,22 +206,7 @@ def main() -> None:
     result["loadavg"]["end"] = round(os.getloadavg()[0], 2)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{a.out}.json").write_text(json.dumps(result, indent=1) + "\n")
-    ip = result["in_process"]
-    md = ["# Garbage-collector pauses of the frontend: gc_freeze on and off", "",
-          f"`{result['command']}`; {result['when']}, {result['machine']}, load {result['loadavg']['start']}.", "",
-          f"In-process, the app and the sim's tokenizer loaded: a full collection takes "
-          f"{ip['before_settle']['full_collection_ms']} ms over {ip['before_settle']['tracked_objects']:,} tracked objects; "
-          f"after heap.settle() {ip['after_settle']['full_collection_ms']} ms over {ip['after_settle']['tracked_objects']:,} "
-          f"({ip['after_settle']['frozen']:,} frozen).", "",
-          "Under load (streams of 512 tokens at concurrency " + str(a.concurrency) + f", {a.seconds:g} s per frontend and round):", "",
-          "| round | gc_freeze | requests | frontend CPU-s | GC seconds (gen 0 / 1 / 2) | full collections | collections >= 25 ms | GC share of CPU |",
-          "|---|---|---|---|---|---|---|---|"]
-    for r in result["under_load"]:
-        g = r["generations"]
-        secs = " / ".join(f"{g.get(k, {}).get('seconds', 0):.3f}" for k in ("0", "1", "2"))
-        slow = sum(v[f"at_least_{int(SLOW_S * 1000)}ms"] for v in g.values())
-        md.append(f"| {r['round']} | {'on' if r['mode'] == 'freeze' else 'off'} | {r['requests']} | {r['cpu_s']} | {secs} | "
-                  f"{g.get('2', {}).get('collections', 0)} | {slow} | {r['gc_share_of_cpu']:.1%} |")
+    md = render(result, a.concurrency, a.seconds)
     (RESULTS / f"{a.out}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
