@@ -75,6 +75,38 @@ def text(rng: random.Random, tokens: int) -> str:
     return "".join(out)
 
 
+async def start_sims(tmp: Path, prefix: str, redis_url: str, speedup: float, extra: list[str] = (), n: int = 2):
+    """`n` sim engines (KV events on) registered under `prefix` in Redis: (engines, discovery)."""
+    engines = []
+    for i in range(n):
+        e = EngineProcess(get_backend("sim"), EngineLaunchConfig(
+            model="h200-llama3.1-8b", served_model_name="sim", port=free_port(), block_size=16, max_model_len=CTX,
+            max_num_batched_tokens=CTX, kv_events_endpoint=f"ipc://{tmp}/kv{i}.sock", kv_replay_endpoint=f"ipc://{tmp}/replay{i}.sock",
+            extra_args=["--speedup", str(speedup), "--num-gpu-blocks", "40000", *extra]), tmp / f"engine{i}.log")
+        e.start()
+        engines.append(e)
+    for e in engines:
+        await e.wait_healthy(90)
+    disc = RedisDiscovery(redis_url, prefix=prefix)
+    for i, e in enumerate(engines):
+        await disc.register(WorkerInfo(worker_id=f"sim-{i}", model="sim", backend="sim", url=e.url, block_size=16, max_model_len=CTX,
+                                       tokenizer=str(SIM_TOKENIZER_DIR), kv_events_endpoint=f"ipc://{tmp}/kv{i}.sock",
+                                       kv_replay_endpoint=f"ipc://{tmp}/replay{i}.sock", kv_events_topic="kv-events"), ttl_s=3600)
+    return engines, disc
+
+
+async def stop_sims(engines: list, disc, frontends: dict | None = None) -> None:
+    """Stop the frontend processes (if given), then deregister and stop the engines."""
+    for proc in (frontends or {}).values():
+        proc.terminate()
+        proc.wait(10)
+    for i in range(len(engines)):
+        await disc.deregister(f"sim-{i}")
+    await disc.close()
+    for e in engines:
+        await e.stop()
+
+
 def frontend(port: int, redis_url: str, prefix: str, log: Path, tree: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.Popen([sys.executable, "-m", "orchestrator", "--log-level", "warning", "frontend", "--port", str(port),
@@ -202,21 +234,7 @@ async def main() -> None:
         trees["base"] = args.baseline.resolve()
     if args.only:
         trees = {args.only: trees[args.only]}
-    engines = []
-    for i in range(2):
-        e = EngineProcess(get_backend("sim"), EngineLaunchConfig(
-            model="h200-llama3.1-8b", served_model_name="sim", port=free_port(), block_size=16, max_model_len=CTX,
-            max_num_batched_tokens=CTX, kv_events_endpoint=f"ipc://{tmp}/kv{i}.sock", kv_replay_endpoint=f"ipc://{tmp}/replay{i}.sock",
-            extra_args=["--speedup", str(args.speedup), "--num-gpu-blocks", "40000", "--enable-prompt-tokens-details"]), tmp / f"engine{i}.log")
-        e.start()
-        engines.append(e)
-    for e in engines:
-        await e.wait_healthy(90)
-    disc = RedisDiscovery(args.redis_url, prefix=prefix)
-    for i, e in enumerate(engines):
-        await disc.register(WorkerInfo(worker_id=f"sim-{i}", model="sim", backend="sim", url=e.url, block_size=16, max_model_len=CTX,
-                                       tokenizer=str(SIM_TOKENIZER_DIR), kv_events_endpoint=f"ipc://{tmp}/kv{i}.sock",
-                                       kv_replay_endpoint=f"ipc://{tmp}/replay{i}.sock", kv_events_topic="kv-events"), ttl_s=3600)
+    engines, disc = await start_sims(tmp, prefix, args.redis_url, args.speedup, ["--enable-prompt-tokens-details"])
     ports = {k: free_port() for k in trees}
     procs = {k: frontend(ports[k], args.redis_url, prefix, tmp / f"frontend-{k}.log", trees[k]) for k in trees}
     spy = os.environ.get("PYSPY", "py-spy") if args.pyspy else None
@@ -275,14 +293,7 @@ async def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     finally:
-        for proc in procs.values():
-            proc.terminate()
-            proc.wait(10)
-        for i in range(len(engines)):
-            await disc.deregister(f"sim-{i}")
-        await disc.close()
-        for e in engines:
-            await e.stop()
+        await stop_sims(engines, disc, procs)
     if args.pyspy:
         return
     write_results(rows, args, idle)

@@ -32,14 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import result_header  # noqa: E402
-from benchmarks.frontend_cpu import CTX, closed_loop, frontend, short_bodies  # noqa: E402
+from benchmarks.frontend_cpu import closed_loop, frontend, short_bodies, start_sims, stop_sims  # noqa: E402
 from benchmarks.frontend_overhead import cpu_seconds, wait_http  # noqa: E402
 from orchestrator.testing import free_port  # noqa: E402
-from workers.discovery import RedisDiscovery  # noqa: E402
-from workers.process import EngineProcess  # noqa: E402
-from workers.registry import get_backend  # noqa: E402
 from workers.sim.backend import SIM_TOKENIZER_DIR  # noqa: E402
-from workers.types import EngineLaunchConfig, WorkerInfo  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SLOW_S = 0.025
@@ -100,21 +96,7 @@ async def _metrics(session: aiohttp.ClientSession, port: int) -> dict:
 async def under_load(args) -> list[dict]:
     tmp = Path(tempfile.mkdtemp(prefix="kvyard-gc-"))
     prefix = f"kvyard-bench-{uuid.uuid4().hex[:6]}"
-    engines = []
-    for i in range(2):
-        e = EngineProcess(get_backend("sim"), EngineLaunchConfig(
-            model="h200-llama3.1-8b", served_model_name="sim", port=free_port(), block_size=16, max_model_len=CTX,
-            max_num_batched_tokens=CTX, kv_events_endpoint=f"ipc://{tmp}/kv{i}.sock", kv_replay_endpoint=f"ipc://{tmp}/replay{i}.sock",
-            extra_args=["--speedup", str(args.speedup), "--num-gpu-blocks", "40000"]), tmp / f"engine{i}.log")
-        e.start()
-        engines.append(e)
-    for e in engines:
-        await e.wait_healthy(90)
-    disc = RedisDiscovery(args.redis_url, prefix=prefix)
-    for i, e in enumerate(engines):
-        await disc.register(WorkerInfo(worker_id=f"sim-{i}", model="sim", backend="sim", url=e.url, block_size=16, max_model_len=CTX,
-                                       tokenizer=str(SIM_TOKENIZER_DIR), kv_events_endpoint=f"ipc://{tmp}/kv{i}.sock",
-                                       kv_replay_endpoint=f"ipc://{tmp}/replay{i}.sock", kv_events_topic="kv-events"), ttl_s=3600)
+    engines, disc = await start_sims(tmp, prefix, args.redis_url, args.speedup)
     modes = {"freeze": (), "no-freeze": ("--set", "frontend.gc_freeze=false")}
     ports = {k: free_port() for k in modes}
     procs = {k: frontend(ports[k], args.redis_url, prefix, tmp / f"frontend-{k}.log", ROOT, extra) for k, extra in modes.items()}
@@ -151,14 +133,7 @@ async def under_load(args) -> list[dict]:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     finally:
-        for proc in procs.values():
-            proc.terminate()
-            proc.wait(10)
-        for i in range(len(engines)):
-            await disc.deregister(f"sim-{i}")
-        await disc.close()
-        for e in engines:
-            await e.stop()
+        await stop_sims(engines, disc, procs)
     return rows
 
 
