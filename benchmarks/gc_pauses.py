@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import result_header  # noqa: E402
-from benchmarks.frontend_cpu import closed_loop, frontend, short_bodies, start_sims, stop_sims  # noqa: E402
+from benchmarks.frontend_cpu import closed_loop, frontend, long_run, short_bodies, start_sims, stop_sims  # noqa: E402
 from benchmarks.frontend_overhead import cpu_seconds, wait_http  # noqa: E402
 from orchestrator.testing import free_port  # noqa: E402
 from workers.sim.backend import SIM_TOKENIZER_DIR  # noqa: E402
@@ -115,8 +115,11 @@ async def under_load(args) -> list[dict]:
                     before, cpu0 = await _metrics(session, ports[k]), cpu_seconds(procs[k].pid)
                     t0, res, n = time.perf_counter(), [], 0
                     while time.perf_counter() - t0 < args.seconds:
-                        got, _ = await closed_loop(f"http://127.0.0.1:{ports[k]}", args.concurrency,
-                                                   short_bodies(args.concurrency, 512, 1000 * rnd + n))
+                        if args.workload == "long":  # multi-turn chats of ~19k-token prompts (the chunk cache fills)
+                            got, _ = await long_run(f"http://127.0.0.1:{ports[k]}", args.conversations, 5, 1000 * rnd + n + 11)
+                        else:
+                            got, _ = await closed_loop(f"http://127.0.0.1:{ports[k]}", args.concurrency,
+                                                       short_bodies(args.concurrency, 512, 1000 * rnd + n))
                         res += got
                         n += 1
                     wall, cpu = time.perf_counter() - t0, cpu_seconds(procs[k].pid) - cpu0
@@ -126,7 +129,10 @@ async def under_load(args) -> list[dict]:
                                 f"at_least_{int(SLOW_S * 1000)}ms": int(after[g]["slow"] - before.get(g, {}).get("slow", 0))}
                             for g in sorted(after)}
                     ok = [r for r in res if r["ok"]]
+                    ttfts = sorted(r["ttft_s"] * 1000 for r in ok)
                     row = {"round": rnd, "mode": k, "requests": len(res), "errors": len(res) - len(ok), "wall_s": round(wall, 1),
+                           "ttft_p50_ms": round(ttfts[len(ttfts) // 2], 1) if ttfts else None,
+                           "ttft_p90_ms": round(ttfts[int(0.9 * (len(ttfts) - 1))], 1) if ttfts else None,
                            "cpu_s": round(cpu, 2), "gc_seconds": round(sum(g["seconds"] for g in gens.values()), 4),
                            "gc_share_of_cpu": round(sum(g["seconds"] for g in gens.values()) / cpu, 4) if cpu else None,
                            "generations": gens}
@@ -145,18 +151,20 @@ def render(result: dict, concurrency: int, seconds: float) -> list[str]:
           f"{ip['before_settle']['full_collection_ms']} ms over {ip['before_settle']['tracked_objects']:,} tracked objects; "
           f"after heap.settle() {ip['after_settle']['full_collection_ms']} ms over {ip['after_settle']['tracked_objects']:,} "
           f"({ip['after_settle']['frozen']:,} frozen).", "",
-          f"Under load (streams of 512 tokens at concurrency {concurrency}, {seconds:g} s per frontend and round):", "",
-          "| round | gc_freeze | requests / s | frontend CPU-s | GC seconds (gen 0 / 1 / 2) | full collections: count, mean ms "
-          "| collections >= 25 ms | GC share of CPU |",
-          "|---|---|---|---|---|---|---|---|"]
+          f"Under load ({result.get('workload', 'stream')} workload, {seconds:g} s per frontend and round):", "",
+          "| round | gc_freeze | requests / s | TTFT p50 / p90 ms | CPU ms / request | GC seconds (gen 0 / 1 / 2) "
+          "| full collections: count, mean ms | collections >= 25 ms | GC share of CPU |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for r in result["under_load"]:
         g = r["generations"]
         secs = " / ".join(f"{g.get(k, {}).get('seconds', 0):.3f}" for k in ("0", "1", "2"))
         slow = sum(v[f"at_least_{int(SLOW_S * 1000)}ms"] for v in g.values())
         full = g.get("2", {"collections": 0, "seconds": 0.0})
         mean = f"{full['seconds'] / full['collections'] * 1000:.0f}" if full["collections"] else "-"
-        md.append(f"| {r['round']} | {'on' if r['mode'] == 'freeze' else 'off'} | {r['requests'] / r['wall_s']:.1f} | {r['cpu_s']} | "
-                  f"{secs} | {full['collections']}, {mean} | {slow} | {r['gc_share_of_cpu']:.1%} |")
+        ttft = f"{r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f}" if r.get("ttft_p50_ms") is not None else "-"
+        md.append(f"| {r['round']} | {'on' if r['mode'] == 'freeze' else 'off'} | {r['requests'] / r['wall_s']:.1f} | {ttft} | "
+                  f"{r['cpu_s'] / max(1, r['requests']) * 1000:.2f} | {secs} | {full['collections']}, {mean} | {slow} | "
+                  f"{r['gc_share_of_cpu']:.1%} |")
     return md
 
 
@@ -164,7 +172,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="load per frontend and round")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=256, help="streams at once (stream workload)")
+    ap.add_argument("--workload", choices=["stream", "long"], default="stream",
+                    help="stream: 64-token prompts, 512 output tokens; long: multi-turn chats of ~19k-token prompts")
+    ap.add_argument("--conversations", type=int, default=8, help="chats at once (long workload)")
     ap.add_argument("--speedup", type=float, default=2.0)
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--out", default="gc_pauses")
@@ -174,7 +185,7 @@ def main() -> None:
         saved = json.loads(a.render.read_text())
         a.render.with_suffix(".md").write_text("\n".join(render(saved, a.concurrency, a.seconds)) + "\n")
         return
-    result = result_header("gc_pauses") | {"command": "benchmarks/gc_pauses.py " + " ".join(sys.argv[1:])}
+    result = result_header("gc_pauses") | {"command": "benchmarks/gc_pauses.py " + " ".join(sys.argv[1:]), "workload": a.workload}
     result["in_process"] = in_process()
     print(json.dumps(result["in_process"]), flush=True)
     result["under_load"] = asyncio.run(under_load(a))
