@@ -11,7 +11,9 @@ connection's books). The SSE relay writes each engine chunk from the engine sock
 `write()` frames an HTTP/1.1 chunk exactly as uvicorn would for the same piece, and only while `usable()`: the
 response started, chunked, not complete, the client connected. Back-pressure: `on_pause()` / `on_resume()` are
 called when the client's socket buffer passes the transport's high / low water marks (uvicorn's own flow control
-sees the same calls), so a slow client slows the engine read instead of growing a buffer.
+sees the same calls), so a slow client slows the engine read instead of growing a buffer. The client leaving:
+`on_gone()` is called when the connection is lost (orchestrator/client_gone.py cancels the request's work with it,
+without a task of its own waiting on ASGI's receive).
 """
 
 from __future__ import annotations
@@ -24,18 +26,23 @@ EXTENSION = "kvyard.direct_body"
 
 
 class DirectBody:
-    __slots__ = ("_cycle", "_transport", "on_pause", "on_resume")
+    __slots__ = ("_cycle", "_transport", "on_pause", "on_resume", "on_gone")
 
     def __init__(self, cycle, transport) -> None:
         self._cycle = cycle  # uvicorn's RequestResponseCycle of this request
         self._transport = transport
         self.on_pause: Callable[[], None] | None = None
         self.on_resume: Callable[[], None] | None = None
+        self.on_gone: Callable[[], None] | None = None
 
     def usable(self) -> bool:
         c = self._cycle
         return bool(c.response_started and c.chunked_encoding and not c.response_complete and not c.disconnected
                     and c.scope.get("method") != "HEAD")
+
+    @property
+    def client_gone(self) -> bool:
+        return bool(self._cycle.disconnected)
 
     @property
     def done(self) -> bool:
@@ -58,3 +65,8 @@ class DirectBody:
     def resumed(self) -> None:
         if self.on_resume is not None:
             self.on_resume()
+
+    def gone(self) -> None:
+        """The client's connection was lost (the protocol's connection_lost)."""
+        if self.on_gone is not None:
+            self.on_gone()

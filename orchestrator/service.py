@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from orchestrator import access_log
-from orchestrator.client_gone import disconnected, unless_client_leaves
+from orchestrator.client_gone import disconnected, unless_client_leaves, watched
 from orchestrator.config import FrontendConfig
 from orchestrator.direct_body import EXTENSION as DIRECT_BODY, DirectBody
 from orchestrator.disagg.coordinator import protocol_of
@@ -792,10 +792,13 @@ class _RelayResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             direct = scope.get("extensions", {}).get(DIRECT_BODY)
-            if direct is not None and not direct.usable():
-                direct = None
-            relay = asyncio.ensure_future(self._relay(send, direct))
-            gone = asyncio.ensure_future(disconnected(receive))
+            if direct is not None and direct.usable():  # relayed in this task; the connection's loss cancels it
+                left, _ = await watched(direct, self._relay(send, direct))
+                if not left:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            relay = asyncio.ensure_future(self._relay(send, None))
+            gone = asyncio.ensure_future(disconnected(receive))  # not kvyard's server: a task watches receive()
             try:
                 await asyncio.wait((relay, gone), return_when=asyncio.FIRST_COMPLETED)
             finally:

@@ -92,6 +92,9 @@ def guarded_protocol(header_timeout_s: float, body_timeout_s: float, max_connect
         def connection_lost(self, exc) -> None:
             self._disarm()
             super().connection_lost(exc)
+            for body in self._bodies or ():  # requests still at work on this connection: their clients left
+                body.gone()
+            self._bodies = None
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

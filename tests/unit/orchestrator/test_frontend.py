@@ -293,6 +293,29 @@ async def test_a_client_leaving_mid_stream_aborts_the_engine_request():
             assert eng.cancelled == 1 and loads.load("a").inflight_requests == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_leaving_before_the_engine_answers_cancels_its_request(stream):
+    """On kvyard's server the request's own task is cancelled by the connection's loss (orchestrator/client_gone.py):
+    the engine call is dropped, the router's books and the admission slot are closed, the request counts cancelled."""
+    app, cfg, disc = _http_frontend()
+    async with frontend_client(app, cfg, "http", timeout=0.5) as client:
+        with FakeEngine(tokens=5, delay_s=3.0) as eng:  # the engine's headers come after 3 s
+            await disc.register(winfo("a", eng.url), ttl_s=60)
+            await app.state.pool.refresh()
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up first and closes its connection
+                await client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": stream})
+            loads, metrics = app.state.router.loads, app.state.metrics
+            for _ in range(200):
+                if loads.load("a").inflight_requests == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert loads.load("a").inflight_requests == 0
+            assert metrics.requests.labels("m", "generate", "cancelled")._value.get() == 1
+            assert app.state.service.admission.inflight("m") == 0
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2}, timeout=10)
+            assert r.status_code == 200  # the connection's loss cancelled that request only
+
+
 async def test_a_client_that_stops_reading_stops_the_engine_read():
     """Back-pressure: the relay writes from the engine socket's read callback, so a client that reads nothing must
     pause that read (TCP then stalls the engine) rather than let the frontend buffer the whole stream."""
