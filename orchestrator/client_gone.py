@@ -10,7 +10,7 @@ watched by its response (orchestrator/service.py `_RelayResponse`) from the mome
 
 On kvyard's own HTTP server (the request has a DirectBody, orchestrator/direct_body.py) the work runs in the request's
 own task and the protocol's connection_lost cancels that task: no task of its own, no task waiting on `receive()`,
-no `asyncio.wait` (~26 µs and two loop turns a request less, which a burst of new requests waits behind). Elsewhere
+no `asyncio.wait` (two loop turns a request less, which a burst of new requests waits behind). Elsewhere
 (another ASGI server, the tests' in-process transport) the work runs as a task raced against `receive()`.
 """
 

@@ -4,7 +4,7 @@ of its full collections.
 Every request, stream and engine call shares one loop, and a collection stops that loop for as long as it runs. Young
 collections are short (the objects created since the last one). A full collection walks every tracked object the
 process holds: the imports, the app, each model's tokenizer and its encoder's tables. benchmarks/gc_pauses.py
-measures that walk at ~40 ms on a quiet machine with one tokenizer loaded, and several times that under load. None of
+measures that walk at tens of ms with one tokenizer loaded, and at over 100 ms under load. None of
 that heap ever becomes garbage, so it is moved out of the collector's reach with `gc.freeze()` (as the sim engine
 does, workers/sim/__main__.py) once start-up is done and again once each tokenizer has loaded and been checked.
 Each freeze is preceded by one full collection, so no garbage is frozen; objects made later are collected as

@@ -14,7 +14,7 @@ event to `on_content` (before any `transform`), and a continuation stream is rel
 Two twins: `SseRelay` below is the reference, in Python; `Relay` is the one the service uses, the C
 extension orchestrator._relaycore when it is built (setup.py), else this one. They take the same
 arguments and give the same bytes, callbacks and stats (tests/unit/orchestrator/test_relay.py runs
-both). The C one costs ~1 µs a token where this one costs ~5 (benchmarks/relay_step.py).
+both). The C one costs 1–2 µs a token where this one costs 4–6 (benchmarks/relay_step.py).
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class _Chunk(msgspec.Struct):
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
-PENDING_BYTES = 1 << 16  # raw events a tracker holds before decoding them (~300 tokens of a chat stream)
+PENDING_BYTES = 1 << 16  # raw events a tracker holds before decoding them (~300 chat chunks of ~200 bytes)
 
 
 class StreamTracker:
