@@ -119,12 +119,8 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if loopwatch is not None:
-            loopwatch.start()
         gc_pauses.start()
         await pool.start()
-        if settle_heap:  # start-up done: the imports and the app out of the full collections
-            settle("start-up")
         if service.telemetry is not None:
             service.telemetry.start()
         try:
@@ -132,6 +128,10 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
                 from orchestrator.grpc import start_grpc_server
 
                 app.state.grpc = await start_grpc_server(service, pool, cfg.grpc_port, cfg.host, guard=guard, tls=tls)
+            if settle_heap:  # start-up done: the imports and the app out of the full collections
+                settle("start-up")
+            if loopwatch is not None:  # from here on: start-up's imports and the tokenizer's check are not stalls
+                loopwatch.start()
             yield
         finally:
             if app.state.grpc is not None:
