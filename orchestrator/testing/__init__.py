@@ -10,9 +10,9 @@
 Not simulators: the simulated engine is workers/sim.
 """
 
-from orchestrator.testing.fake_engine import FakeEngine, ThreadedEngine, free_port, free_port_pair, winfo
+from orchestrator.testing.fake_engine import FakeEngine, ThreadedEngine, free_port, free_port_pair, free_port_run, winfo
 from orchestrator.testing.fake_pd_engine import FakePDEngine, HandoffBook
 from orchestrator.testing.fault_engine import TOKEN_BASE, WORDS, FaultEngine
 
-__all__ = ["FakeEngine", "FakePDEngine", "FaultEngine", "HandoffBook", "TOKEN_BASE", "ThreadedEngine", "WORDS", "free_port",
+__all__ = ["FakeEngine", "FakePDEngine", "FaultEngine", "HandoffBook", "TOKEN_BASE", "ThreadedEngine", "WORDS", "free_port", "free_port_run",
            "free_port_pair", "winfo"]

@@ -36,6 +36,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_run(n: int) -> int:
+    """A port p outside the kernel's ephemeral range with p .. p + n - 1 all free now: a local cluster's `--base-port`
+    (its engines bind them seconds later; a port from the ephemeral range can meanwhile become an outgoing
+    connection's source port, which a clean-clone CI run saw as `address already in use`)."""
+    from orchestrator.disagg.launch import free_port as outside_ephemeral
+
+    for _ in range(50):
+        p = outside_ephemeral()
+        try:
+            socks = []
+            for i in range(1, n):
+                b = socket.socket()
+                socks.append(b)
+                b.bind(("127.0.0.1", p + i))
+            return p
+        except OSError:
+            continue
+        finally:
+            for b in socks:
+                b.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
 def free_port_pair() -> int:
     """A port p with p and p + 1 both free now (an engine's KV-event socket and its replay socket; a local cluster's
     first two engines)."""

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from orchestrator.testing import free_port
+from orchestrator.testing import free_port, free_port_run
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def test_up_with_keys_and_generated_admin_token(tmp_path):
                           capture_output=True, text=True, check=True, cwd=tmp_path)
     key = made.stdout.strip()
     assert key.startswith("kvy_")
-    port, base = free_port(), free_port() + 400
+    port, base = free_port(), free_port_run(8)
     env = {k: v for k, v in os.environ.items() if k not in ("KVYARD_ADMIN_TOKEN", "KVYARD_API_KEYS_FILE")}
     out = tmp_path / "up.log"
     with open(out, "wb") as log:

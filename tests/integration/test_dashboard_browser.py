@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from orchestrator.testing import free_port
+from orchestrator.testing import free_port, free_port_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -56,7 +56,7 @@ def _browser_or_fail():
 @pytest.fixture
 def stack(tmp_path):
     sync_playwright = _browser_or_fail()
-    port, base = free_port(), free_port() + 300
+    port, base = free_port(), free_port_run(8)
     prefix = f"kvyard-dash-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "KVYARD_ADMIN_TOKEN": TOKEN}
     log = open(tmp_path / "up.log", "wb")

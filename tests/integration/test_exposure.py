@@ -24,7 +24,7 @@ import pytest
 
 from orchestrator.testing.procs import RedisServer, descendants
 from tests.integration.up_admin import ADMIN_HEADERS, admin_env
-from orchestrator.testing import free_port
+from orchestrator.testing import free_port, free_port_run
 from workers.discovery import InMemoryDiscovery
 from workers.registry import get_backend
 from workers.types import EngineLaunchConfig
@@ -140,7 +140,7 @@ def test_up_leaves_no_run_folder(tmp_path):
     tmpdir.mkdir()
     port = free_port()
     log = tmp_path / "up.log"
-    proc = subprocess.Popen([*KVYARD, "up", "--workers", "1", "--port", str(port), "--grpc-port", "0", "--base-port", str(free_port() + 300),
+    proc = subprocess.Popen([*KVYARD, "up", "--workers", "1", "--port", str(port), "--grpc-port", "0", "--base-port", str(free_port_run(8)),
                              "--speedup", "10"], stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=tmp_path,
                             env=admin_env({**os.environ, "TMPDIR": str(tmpdir)}))
     try:

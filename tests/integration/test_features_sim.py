@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from orchestrator.testing import free_port
+from orchestrator.testing import free_port, free_port_run
 from tests.integration.up_admin import ADMIN_HEADERS, admin_env
 
 pytestmark = pytest.mark.slow
@@ -39,7 +39,7 @@ async def stack(tmp_path):
     cfg = {"frontend": {"lora": {"adapters": [{"name": f"ad-{n}", "path": str(tmp_path / n), "base_model": MODEL} for n in "ab"]}},
            "engine_args": ["--enable-prompt-tokens-details"]}
     (tmp_path / "up.yaml").write_text(json.dumps(cfg))
-    port, base = free_port(), free_port() + 300
+    port, base = free_port(), free_port_run(8)
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--workers", "2", "--port", str(port), "--grpc-port", "0",
                              "--base-port", str(base), "--speedup", "5", "--config", str(tmp_path / "up.yaml")],
                             stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp_path, env=admin_env())

@@ -16,7 +16,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from orchestrator.testing import free_port
+from orchestrator.testing import free_port, free_port_run
 from tests.integration.up_admin import ADMIN_HEADERS, admin_env
 from workers.vllm.metrics import parse_vllm_metrics
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 async def stack(tmp_path):
-    port, base = free_port(), free_port() + 200
+    port, base = free_port(), free_port_run(8)
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "up", "--workers", "4", "--port", str(port), "--grpc-port", "0",
                              "--base-port", str(base), "--policy", "kv", "--speedup", "2", "--max-model-len", "32768"],
                             stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, cwd=tmp_path, env=admin_env())
