@@ -373,6 +373,30 @@ class EngineClient:
         """POST and wait for the response headers (at most `headers_timeout_s`); the body is read later."""
         return await self._exchange("POST", url, payload, headers, read_timeout_s, headers_timeout_s, total_s)
 
+    def start_post(self, url: str, payload: bytes, headers: dict[str, str], read_timeout_s: float,
+                   headers_timeout_s: float | None = None, total_s: float | None = None) -> asyncio.Task:
+        """`post` as a task, with the request already written when a kept-alive connection is at hand.
+
+        A task's coroutine starts on the loop's next turn, after whatever else is ready; here the engine has the
+        request before this returns (without an idle connection the task connects first). The task is what
+        `post` is: its result is the response at its headers, and cancelling it drops the connection."""
+        key, target, host = _target(url)
+        head = _head("POST", target, host, headers, len(payload))
+        loop = asyncio.get_running_loop()
+        sent = None
+        conn = self._take(key, loop.time())
+        if conn is not None:
+            try:
+                sent = conn, conn.send(head, payload, read_timeout_s, headers_timeout_s, total_s)
+            except (RuntimeError, OSError) as exc:  # closed under us: the task starts on a fresh connection
+                conn._fail_with(EngineUnreachableError(f"ServerDisconnected: {exc}"))
+        task = loop.create_task(self._exchange("POST", url, payload, headers, read_timeout_s, headers_timeout_s,
+                                               total_s, sent=sent))
+        if sent is not None:  # cancelled before its first step, the task never reaches its own clean-up
+            task.add_done_callback(lambda t, conn=sent[0]: t.cancelled() and conn._fail_with(
+                EngineStreamError("Cancelled: the request was cancelled")))
+        return task
+
     async def fetch(self, method: str, url: str, timeout_s: float) -> tuple[int, bytes]:
         """A small bodiless call (GET / POST) read whole within timeout_s: (status, body); raises our two errors."""
         resp = await self._exchange(method, url, b"", {}, timeout_s, None, timeout_s)
@@ -403,27 +427,32 @@ class EngineClient:
     # ---- connections --------------------------------------------------------------------------------
 
     async def _exchange(self, method: str, url: str, payload: bytes, headers: dict[str, str], read_timeout_s: float,
-                        headers_timeout_s: float | None, total_s: float | None) -> EngineResponse:
+                        headers_timeout_s: float | None, total_s: float | None,
+                        sent: tuple[_Conn, asyncio.Future] | None = None) -> EngineResponse:
+        """`sent`: (a kept-alive connection, its headers future) the request was already written on (start_post)."""
         key, target, host = _target(url)
         head = _head(method, target, host, headers, len(payload))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + total_s if total_s else None
         for attempt in (0, 1):
-            conn = self._take(key, loop.time())
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(key, loop, deadline)
-            left = deadline - loop.time() if deadline is not None else None
-            if left is not None and left <= 0:
-                self._release(conn)
-                raise EngineUnreachableError(f"TotalTimeout: the request's deadline ({total_s:.3g}s) passed")
-            try:
-                headers_done = conn.send(head, payload, read_timeout_s, headers_timeout_s, left)
-            except (RuntimeError, OSError) as exc:  # the transport closed under us (uvloop raises on a closed handle)
-                conn._fail_with(EngineUnreachableError(f"ServerDisconnected: {exc}"))
-                if reused and attempt == 0:
-                    continue
-                raise conn.error from exc
+            if attempt == 0 and sent is not None:
+                (conn, headers_done), reused = sent, True
+            else:
+                conn = self._take(key, loop.time())
+                reused = conn is not None
+                if conn is None:
+                    conn = await self._connect(key, loop, deadline)
+                left = deadline - loop.time() if deadline is not None else None
+                if left is not None and left <= 0:
+                    self._release(conn)
+                    raise EngineUnreachableError(f"TotalTimeout: the request's deadline ({total_s:.3g}s) passed")
+                try:
+                    headers_done = conn.send(head, payload, read_timeout_s, headers_timeout_s, left)
+                except (RuntimeError, OSError) as exc:  # the transport closed under us (uvloop raises on a closed handle)
+                    conn._fail_with(EngineUnreachableError(f"ServerDisconnected: {exc}"))
+                    if reused and attempt == 0:
+                        continue
+                    raise conn.error from exc
             try:
                 await headers_done
             except EngineUnreachableError:

@@ -339,10 +339,8 @@ class InferenceService:
                 self.router.on_complete(rid)
             ticket.release()
             raise
-        self.metrics.decision_time.observe(self.router.last_decision_s)
-        self.tracing.route(decision, len(endpoints), self.router.last_decision_s)  # tracing hook
-        if self.telemetry is not None:
-            self.telemetry.on_arrival(model)
+        decision_s = self.router.last_decision_s  # the router's, until the next request routes
+        self.tracing.route(decision, len(endpoints), decision_s)  # tracing hook
         blocker = migration_blocker(kind, body, prompt.obtainable) if self.cfg.resilience.max_migrations else "migration disabled"
         strip_ids = False
         send_body = body
@@ -366,6 +364,10 @@ class InferenceService:
         except BaseException as exc:
             self._finish(rreq, t0, "cancelled" if isinstance(exc, asyncio.CancelledError) else "error", ticket=ticket)
             raise
+        finally:  # booked once the engine has the request (with an idle connection, written before the first await)
+            self.metrics.decision_time.observe(decision_s)
+            if self.telemetry is not None:
+                self.telemetry.on_arrival(model)
         self.metrics.routed.labels(model, d.endpoint.worker_id, decision.policy).inc()
         ep = d.endpoint
         access_log.note(request_id=rid, model=model, worker=ep.worker_id, prompt_tokens=prompt.count, key_id=key_id,  # access-log hook
@@ -455,9 +457,9 @@ class InferenceService:
             if remaining <= 0:
                 break
             sent_headers, span = self.tracing.attempt(ep, attempt, headers)  # tracing hook
-            post = asyncio.ensure_future(self.client.post(
+            post = self.client.start_post(  # written now when a kept-alive connection is at hand
                 ep.url + path, payload, sent_headers, min(read_timeout, remaining),
-                headers_timeout_s=min(headers_timeout, remaining) if headers_timeout else None, total_s=remaining))
+                headers_timeout_s=min(headers_timeout, remaining) if headers_timeout else None, total_s=remaining)
             inflight = self.hung.book(ep.worker_id)
             inflight.add(post)  # cancelled if the engine is found hung meanwhile
             try:

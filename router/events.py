@@ -46,6 +46,7 @@ log = logging.getLogger("kvyard.router.events")
 
 _CODECS = {"vllm": "workers.vllm.kv_events", "sglang": "workers.sglang.kv_events", "trtllm": "workers.trtllm.kv_events"}
 _END = b"\xff" * 8
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)  # plain ints: no enum arithmetic per read
 
 
 def event_format(info: WorkerInfo) -> str:
@@ -116,12 +117,25 @@ class _Source:
             self.owner.index.add_worker(self.info.worker_id, approximate=True, block_size=self.info.block_size)
 
     async def _subscribe(self) -> None:
-        sub = self.owner.ctx.socket(zmq.SUB)
+        # A plain (synchronous) socket, read when the loop sees its file descriptor readable. ZeroMQ signals that
+        # descriptor on edges, so ZMQ_EVENTS is asked before each read and before each wait. pyzmq's asyncio
+        # socket does the same with a future, a zmq.Again and a handler update per wake-up and message, which
+        # cost more than decoding the events (docs/benchmarks.md, "KV events").
+        sub = zmq.Socket(self.owner.ctx, zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.info.kv_events_topic.encode())
         sub.connect(self.info.kv_events_endpoint)
-        raw = zmq.Socket.shadow(sub.underlying)  # same socket, synchronous: drains without awaiting
+        loop = asyncio.get_running_loop()
+        fd = sub.getsockopt(zmq.FD)
+        waiter: list[asyncio.Future | None] = [None]
+
+        def readable() -> None:
+            w = waiter[0]
+            if w is not None and not w.done():
+                w.set_result(None)
+
+        loop.add_reader(fd, readable)
         try:
             if self.stream.replayable:  # rebuild from the engine's buffer now; live batches queue meanwhile
                 batches = await self._replay(0)
@@ -129,19 +143,21 @@ class _Source:
                     rejected = self.stream.stats.rejected
                     self.stream.on_bootstrap(batches)
                     self._report(rejected)
+            handled = 0
             while True:
-                frames: list[bytes] | None = await sub.recv_multipart()
-                handled = 0
-                while frames is not None:
-                    await self._on_frames(frames)
-                    handled += 1
-                    if handled % self.owner.drain_max == 0:
-                        await asyncio.sleep(0)  # a long burst must not starve request handling
+                if not sub.getsockopt(_EVENTS) & _POLLIN:
+                    waiter[0] = loop.create_future()
                     try:
-                        frames = raw.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        frames = None
+                        await waiter[0]
+                    finally:
+                        waiter[0] = None
+                    continue
+                await self._on_frames(sub.recv_multipart(_NOBLOCK))
+                handled += 1
+                if handled % self.owner.drain_max == 0:
+                    await asyncio.sleep(0)  # a long burst must not starve request handling
         finally:
+            loop.remove_reader(fd)
             sub.close()
 
     async def _on_frames(self, frames: list[bytes]) -> None:

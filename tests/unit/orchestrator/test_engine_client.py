@@ -261,6 +261,36 @@ async def test_abort_close_and_cancel_drop_the_engine_connection():
     await e2.stop()
 
 
+async def test_start_post_writes_on_a_kept_alive_connection_before_the_loop_turns():
+    async def script(w, n):
+        if n == 1:
+            await asyncio.sleep(0.3)  # the second request is cancelled before this answers
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    e, url = await _engine(script)
+    c = EngineClient(1.0)
+    key = ("http", "127.0.0.1", int(url.rsplit(":", 1)[1]))
+    r = await c.start_post(url + "/x", b'{"a": 1}', {}, 5)  # no idle connection yet: the task connects first
+    assert await r.aread() == b"ok"
+    await r.aclose()
+    conn = c._idle[key][-1]
+    t = c.start_post(url + "/x", b'{"b": 2}', {}, 5)
+    assert not c._idle[key] and conn.headers_done is not None  # written before the task's first step
+    assert not conn.transport.get_write_buffer_size()  # handed to the kernel, not queued
+    r = await t
+    assert await r.aread() == b"ok" and e.requests[-1].endswith(b'{"b": 2}') and e.connections == 1
+    await r.aclose()
+    conn = c._idle[key][-1]
+    t = c.start_post(url + "/x", b"{}", {}, 5)
+    t.cancel()  # before its first step: its coroutine never runs, the connection must still be dropped
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert conn.error is not None and not c._idle[key]
+    await asyncio.wait_for(e.closed_by_client.wait(), 2)
+    await c.close()
+    await e.stop()
+
+
 async def test_an_error_in_the_push_callback_ends_the_read_with_it():
     async def script(w, n):
         w.write(OK_CHUNKED + chunked(b"data: 1\n\n", b"data: 2\n\n"))

@@ -196,20 +196,24 @@ async def test_unary_broken_mid_body_is_resent(frontend):
         await add(disc, client, winfo("a", a.url), winfo("b", b.url))
         service = client.app.state.service
         calls = {"n": 0}
-        real = service.client.post
+        real = service.client.start_post
 
-        async def flaky(url, payload, headers, read_timeout_s, headers_timeout_s=None, total_s=None):
-            resp = await real(url, payload, headers, read_timeout_s, headers_timeout_s, total_s)
-            calls["n"] += 1
-            if calls["n"] == 1:  # the first answer's body breaks while being read
-                from orchestrator.engine_client import EngineStreamError
+        def flaky(*args, **kwargs):
+            sent = real(*args, **kwargs)
 
-                async def broken():
-                    raise EngineStreamError("ClientPayloadError: reset")
-                resp.aread = broken
-            return resp
+            async def answered():
+                resp = await sent
+                calls["n"] += 1
+                if calls["n"] == 1:  # the first answer's body breaks while being read
+                    from orchestrator.engine_client import EngineStreamError
 
-        service.client.post = flaky
+                    async def broken():
+                        raise EngineStreamError("ClientPayloadError: reset")
+                    resp.aread = broken
+                return resp
+            return asyncio.ensure_future(answered())
+
+        service.client.start_post = flaky
         r = await client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert calls["n"] == 2
