@@ -12,7 +12,9 @@ batches keeps the index bounded):
   short  4 blocks a batch (a 64-token prompt with its first outputs), 2,000 batches a second: one engine's
          events under short requests, where each batch wakes the frontend on its own
   long   64 blocks a batch (a 1,024-token prefill chunk of a long prompt), 500 batches a second
-Reported: CPU-us per batch and per block for each tree, and new / base per round. Writes
+  evict  the same chunk on a full cache: each batch also evicts 64 older blocks, one BlockRemoved event each (as
+         vLLM publishes evictions), 250 batches a second
+Reported: CPU-us per batch and per stored block for each tree, and new / base per round. Writes
 benchmarks/results/<--out>.{json,md} (default kv_ingest).
 """
 
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "benchmarks" / "results"
-WORKLOADS = {"short": (4, 2000.0), "long": (64, 500.0)}  # blocks a batch, batches a second
+WORKLOADS = {"short": (4, 2000.0), "long": (64, 500.0), "evict": (64, 250.0)}  # blocks a batch, batches a second
 BLOCK = 16
 CHILD = r"""
 import asyncio, json, signal, sys
@@ -75,18 +77,23 @@ def child(tree: Path, endpoint: str) -> subprocess.Popen:
     return p
 
 
-def batches(blocks: int, n: int, rng: random.Random):
-    """n payloads: each stores `blocks` new blocks; every 16th also removes the blocks stored 16 batches before."""
+def batches(workload: str, n: int, rng: random.Random):
+    """n payloads: each stores `blocks` new blocks. `evict`: each also evicts the batch stored 16 before, one
+    BlockRemoved a block; otherwise every 16th removes the 16 batches stored before those in one event."""
     from router.kv_events import BlockRemoved, BlockStored
     from workers.vllm.kv_events import encode_batch
 
+    blocks = WORKLOADS[workload][0]
     out, stored = [], []
     for i in range(n):
         hashes = [rng.getrandbits(63) for _ in range(blocks)]
         events = [BlockStored(block_hashes=hashes, parent_block_hash=None,
                               token_ids=[rng.randrange(50000) for _ in range(blocks * BLOCK)], block_size=BLOCK)]
         stored.append(hashes)
-        if i % 16 == 15 and len(stored) > 16:
+        if workload == "evict":
+            if len(stored) > 16:
+                events[:0] = [BlockRemoved(block_hashes=[h]) for h in stored[-17]]  # evicted to make room
+        elif i % 16 == 15 and len(stored) > 16:
             events.append(BlockRemoved(block_hashes=[h for old in stored[-32:-16] for h in old]))
         out.append(encode_batch(time.time(), events))
     return out
@@ -96,7 +103,7 @@ def run_round(trees: dict[str, Path], workload: str, n: int, rng: random.Random)
     import zmq
 
     blocks, rate = WORKLOADS[workload]
-    payloads = batches(blocks, n, rng)
+    payloads = batches(workload, n, rng)
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/kv.sock"
         ctx = zmq.Context()
@@ -135,7 +142,7 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, required=True, help="a checkout of the tree to compare against")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=10.0, help="publishing time per workload and round")
-    ap.add_argument("--workloads", default="short,long")
+    ap.add_argument("--workloads", default="short,long,evict")
     ap.add_argument("--out", default="kv_ingest")
     args = ap.parse_args()
     from benchmarks.common import result_header
@@ -162,7 +169,7 @@ def main() -> None:
             "ratios": [round(x["new"]["cpu_s"] / x["base"]["cpu_s"], 3) for x in rs if x["base"]["cpu_s"]],
         }
     cmd = f"benchmarks/kv_ingest.py --baseline {args.baseline} --rounds {args.rounds} --seconds {args.seconds:g}" + (
-        f" --workloads {args.workloads}" if args.workloads != "short,long" else "")
+        f" --workloads {args.workloads}" if args.workloads != "short,long,evict" else "")
     result = {**result_header("kv_ingest"), "command": cmd, "rows": rows, "summary": summary}
     result["loadavg"]["end"] = round(os.getloadavg()[0], 2)
     RESULTS.mkdir(exist_ok=True)

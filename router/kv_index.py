@@ -206,14 +206,41 @@ class KvIndex:
         raise KvEventRejected(f"unknown event type {type(event).__name__}")
 
     def apply_batch(self, worker_id: str, events: Iterable[KvEvent]) -> list[KvEventRejected]:
-        """Apply events in order; a rejected one is skipped and returned, the rest still apply."""
-        rejected = []
+        """Apply events in order; a rejected one is skipped and returned, the rest still apply.
+
+        vLLM publishes one BlockRemoved per evicted block, so a batch under memory pressure holds runs of
+        one-hash removals. A run of consecutive GPU removals is applied as one removal of all their hashes: the
+        same index after it (removals commute with each other), counted as as many events, at a fraction of the
+        per-event cost (benchmarks/kv_ingest.py, workload `evict`)."""
+        rejected: list[KvEventRejected] = []
+        run: list[BlockRemoved] = []
         for ev in events:
+            if type(ev) is BlockRemoved and ev.medium in _GPU:
+                run.append(ev)
+                continue
+            if run:
+                self._remove_run(worker_id, run, rejected)
+                run = []
             try:
                 self.apply(worker_id, ev)
             except KvEventRejected as exc:
                 rejected.append(exc)
+        if run:
+            self._remove_run(worker_id, run, rejected)
         return rejected
+
+    def _remove_run(self, worker_id: str, run: list[BlockRemoved], rejected: list[KvEventRejected]) -> None:
+        if len(run) > 1:
+            try:
+                self.remove(worker_id, [h for ev in run for h in ev.block_hashes], events=len(run))
+                return
+            except KvEventRejected:
+                pass  # one of them is malformed: apply them one by one, so only that one is rejected
+        for ev in run:
+            try:
+                self.remove(worker_id, ev.block_hashes)
+            except KvEventRejected as exc:
+                rejected.append(exc)
 
     def store(self, worker_id: str, engine_hashes: list[int], parent: int | None, token_ids, block_size: int, lora_name: str | None = None,
               mm_keys: list | None = None) -> int:
@@ -265,15 +292,21 @@ class KvIndex:
                 w.extra[dup] = w.extra.get(dup, 0) + 1
         return n
 
-    def remove(self, worker_id: str, engine_hashes: list[int]) -> int:
+    def remove(self, worker_id: str, engine_hashes: list[int], events: int = 1) -> int:
+        """`events`: how many BlockRemoved events these hashes came in (apply_batch merges runs of them)."""
         w = self._workers.get(worker_id)
         if w is None:
             return 0
-        w.events += 1
+        ours: list[int] = []
+        keep = ours.append
         try:
-            ours = [h for h in map(w.blocks.pop, engine_hashes, repeat(None)) if h is not None]
-        except TypeError as exc:
+            for h in map(w.blocks.pop, engine_hashes, repeat(None)):
+                if h is not None:
+                    keep(h)
+        except TypeError as exc:  # an unhashable id: what was popped before it is removed all the same
+            self._unref(w, ours)
             raise KvEventRejected(f"BlockRemoved from {worker_id}: block ids must be ints") from exc
+        w.events += events
         self._unref(w, ours)
         return len(ours)
 

@@ -260,3 +260,42 @@ def test_silent_publisher_warning(caplog):
         for _ in range(3):
             ix.record_routed("a", H)
     assert "not one KV event" in caplog.text
+
+
+def test_a_batch_applies_runs_of_removals_as_its_events_one_by_one_would(impl):
+    """apply_batch merges runs of consecutive BlockRemoved (vLLM sends one per evicted block): the index, the
+    per-worker event counts and the rejections must be those of applying each event on its own."""
+    import random
+
+    rng = random.Random(5)
+    for trial in range(30):
+        batched, single = KvIndex(), KvIndex()
+        events, live, next_id = [], [], 1
+        for _ in range(rng.randrange(5, 60)):
+            r = rng.random()
+            if r < 0.3 or not live:
+                n = rng.randrange(1, 4)
+                ids = list(range(next_id, next_id + n))
+                next_id += n
+                parent = rng.choice(live) if live and rng.random() < 0.5 else None
+                events.append(stored(ids, parent, rng.randrange(0, 8 - n)))
+                live += ids
+            elif r < 0.9:
+                victim = rng.choice(live) if rng.random() < 0.9 else 10_000 + rng.randrange(5)  # or an unknown id
+                events.append(BlockRemoved([victim], medium=rng.choice([None, "GPU", "CPU"])))
+            elif r < 0.95:
+                events.append(BlockRemoved([rng.choice(live), [0]]))  # an unhashable id after a good one: rejected
+            else:
+                events.append(AllBlocksCleared())
+        rejected = batched.apply_batch("a", events)
+        expected = 0
+        for ev in events:
+            try:
+                single.apply("a", ev)
+            except KvEventRejected:
+                expected += 1
+        assert len(rejected) == expected, trial
+        assert batched._workers["a"].events == single._workers["a"].events, trial
+        assert batched._workers["a"].blocks == single._workers["a"].blocks, trial
+        assert batched.find_matches(H) == single.find_matches(H) and len(batched) == len(single), trial
+        assert_consistent(batched)
