@@ -26,6 +26,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
@@ -356,18 +357,25 @@ class InferenceService:
                        payload=payload, prompt=prompt, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
                        deadline=t0 + self.cfg.resilience.request_timeout_s, ticket=ticket)
         self.metrics.child(self.metrics.inflight, model).inc()
+        booked_arrival = False
+
+        def book_arrival() -> None:  # once the engine request is written: its latency is not the client's
+            nonlocal booked_arrival
+            if not booked_arrival:
+                booked_arrival = True
+                self.metrics.decision_time.observe(decision_s)
+                if self.telemetry is not None:
+                    self.telemetry.on_arrival(model)
         try:
             if disagg:  # the disagg hook: prefill remotely (or not), then the decode response is relayed as usual
+                book_arrival()
                 d.endpoint, d.resp = await disagg.send(rreq, send_body, payload, decision, path, req.stream)
             else:
-                d.endpoint, d.resp = await self.send_ranked(rreq, decision.ranked, path, payload, req.stream, d)
+                d.endpoint, d.resp = await self.send_ranked(rreq, decision.ranked, path, payload, req.stream, d, book_arrival)
         except BaseException as exc:
+            book_arrival()
             self._finish(rreq, t0, "cancelled" if isinstance(exc, asyncio.CancelledError) else "error", ticket=ticket)
             raise
-        finally:  # booked once the engine has the request (with an idle connection, written before the first await)
-            self.metrics.decision_time.observe(decision_s)
-            if self.telemetry is not None:
-                self.telemetry.on_arrival(model)
         self.metrics.routed.labels(model, d.endpoint.worker_id, decision.policy).inc()
         ep = d.endpoint
         access_log.note(request_id=rid, model=model, worker=ep.worker_id, prompt_tokens=prompt.count, key_id=key_id,  # access-log hook
@@ -429,8 +437,8 @@ class InferenceService:
         return d.deadline - time.perf_counter()
 
     async def send_ranked(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes, stream: bool,
-                    d: Dispatched | None = None):
-        """POST to the ranked engines in turn until one answers below 500.
+                    d: Dispatched | None = None, sent: Callable[[], None] | None = None):
+        """POST to the ranked engines in turn until one answers below 500; `sent()` is called after each write.
 
         Each failure (nothing received, a timeout, a 5xx) counts against that worker's breaker; the
         next attempt waits a jittered exponential backoff. Bounded by max_attempts and the deadline
@@ -460,6 +468,8 @@ class InferenceService:
             post = self.client.start_post(  # written now when a kept-alive connection is at hand
                 ep.url + path, payload, sent_headers, min(read_timeout, remaining),
                 headers_timeout_s=min(headers_timeout, remaining) if headers_timeout else None, total_s=remaining)
+            if sent is not None:
+                sent()
             inflight = self.hung.book(ep.worker_id)
             inflight.add(post)  # cancelled if the engine is found hung meanwhile
             try:

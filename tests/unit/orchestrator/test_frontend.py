@@ -207,6 +207,26 @@ async def test_tokenizer_fetched_from_discovery_when_path_unreadable(frontend, t
         assert_openai_error(r, 400)
 
 
+async def test_arrival_is_booked_when_the_engine_request_is_written_not_when_it_answers(frontend):
+    """The planner counts demand by arrival: a unary request's engine answers at its end, yet its arrival is
+    booked as soon as the request is on its way to the engine."""
+    client, disc = frontend
+    telemetry = client.app.state.service.telemetry
+    booked: list[str] = []
+    real = telemetry.on_arrival
+    telemetry.on_arrival = lambda model, role=None: (booked.append(model), real(model, role))
+    with FakeEngine(delay_s=1.0) as eng:
+        await add(disc, client, winfo("a", eng.url))
+        call = asyncio.ensure_future(client.post("/v1/completions", json={"model": "m", "prompt": "x"}))
+        deadline = time.monotonic() + 5
+        while not eng.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert eng.requests and not call.done()
+        assert booked == ["m"]  # booked while the engine still works on it
+        assert (await call).status_code == 200
+    assert booked == ["m"]
+
+
 async def test_requests_reach_telemetry_and_admin_api_needs_token(frontend):
     client, disc = frontend
     store = client.app.state.telemetry_store

@@ -285,7 +285,7 @@ async def test_worker_series_removed_when_it_leaves(stack):
         await disc.deregister("wa")
         await app.state.pool.refresh()
         text = (await client.get("/metrics")).text
-        assert 'worker="wa"' not in text and 'worker="wb"' in text
+        assert 'worker="wa"' not in text and 'worker="wb"' in text, [l for l in text.splitlines() if 'worker="wa"' in l]
 
 
 # ---- (9) `kvyard keys` under concurrency ---------------------------------------------------------------------------
