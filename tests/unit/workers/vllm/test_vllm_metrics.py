@@ -74,3 +74,24 @@ def test_empty_and_non_text():
 def test_never_raises(text):
     m = parse_vllm_metrics(text)
     assert all(math.isfinite(getattr(m, f)) for f in METRIC_NAMES)
+
+
+def test_labels_holding_braces_and_escaped_quotes_and_timestamps():
+    text = ('vllm:num_requests_running{model_name="a}b \\"q\\" {",engine="0"} 3 1700000000000\n'
+            'vllm:num_requests_running{engine="1"} 2\n'
+            'vllm:num_requests_waiting{engine="0"} 1 \r\n')
+    m = parse_vllm_metrics(text)
+    assert m.num_requests_running == 5 and m.num_requests_waiting == 1
+
+
+def test_every_sample_as_prometheus_clients_own_parser_reads_it(metrics_text):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from workers.prom_text import samples_by_name
+
+    want: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name.startswith("vllm:") and math.isfinite(s.value):
+                want.setdefault(s.name, []).append(s.value)
+    assert want and samples_by_name(metrics_text, "vllm:") == want
