@@ -68,3 +68,11 @@ def test_registry_and_metrics() -> None:
     assert (m.num_requests_running, m.num_requests_waiting, m.kv_cache_usage) == (3.0, 5.0, 0.375)
     assert (m.prefix_cache_queries, m.prefix_cache_hits, m.generation_tokens) == (100.0, 40.0, 7.0)
     assert parse_sglang_metrics(None).num_requests_running == 0.0  # type: ignore[arg-type]
+
+
+def test_metrics_with_timestamps_and_odd_labels() -> None:
+    text = ('sglang:num_running_reqs{model_name="a} \\"b\\"",tp_rank="0"} 2.0 1765000000000\n'
+            "sglang:num_running_reqs{tp_rank=\"1\"} 1\n"
+            "sglang:num_queue_reqs 4 1765000000000\n")
+    m = parse_sglang_metrics(text)
+    assert (m.num_requests_running, m.num_requests_waiting) == (3.0, 4.0)  # the values, not the timestamps
