@@ -1,6 +1,6 @@
 """Where a request's time goes in the frontend before the engine has it: timestamps by stage, at concurrency 1.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/request_stages.py [--requests 300] [--speedups 2,200] [--baseline DIR]
+    PYTHONPATH=. .venv/bin/python benchmarks/request_stages.py [--requests 300] [--speedups 2,200] [--baseline DIR] [--rounds 3]
 
 One sim engine (KV events on) and one frontend of this tree, started through this script's own launcher
 (`--launch`), which wraps a few of the frontend's functions to stamp, for each request, the time since its first
@@ -10,7 +10,7 @@ between the frontend and the engine itself, so the TTFT the frontend adds is rea
 of the sim is one run: at 2 the engine takes ~10 ms to its first token and the frontend's code runs with caches
 cold from the engine and the client that share the machine's cores; at 200 requests come back to back (warm).
 With --baseline, a frontend of the tree at DIR (e.g. `git archive <rev> | tar -x -C DIR`, C extensions copied in)
-runs the same way after this tree's, at each speed-up. The wrappers cost a few microseconds a stage. Reported: the median of each stamp over the requests (the first 25
+runs the same way beside this tree's at each speed-up, the order alternating over --rounds. The wrappers cost a few microseconds a stage. Reported: the median of each stamp over the requests (the first 25
 dropped) and TTFT p50 both ways. Writes benchmarks/results/<--out>.{json,md} (default request_stages).
 """
 
@@ -192,38 +192,54 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--speedups", default="2,200")
-    ap.add_argument("--baseline", type=Path, default=None, help="a checkout of another tree, run after this one")
+    ap.add_argument("--baseline", type=Path, default=None, help="a checkout of another tree, run beside this one")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds; the trees' order alternates from round to round")
     ap.add_argument("--out", default="request_stages")
     args = ap.parse_args()
     from benchmarks.common import result_header
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"new": ROOT, **({"base": args.baseline.resolve()} if args.baseline else {})}
-        for sp in (float(x) for x in args.speedups.split(",")):
-            for name, tree in trees.items():
-                r = {"tree": name, **asyncio.run(run(sp, args.requests, Path(tmp), tree))}
-                results.append(r)
-                print(json.dumps(r), flush=True)
+        trees = [("new", ROOT)] + ([("base", args.baseline.resolve())] if args.baseline else [])
+        for rnd in range(args.rounds):
+            for sp in (float(x) for x in args.speedups.split(",")):
+                for name, tree in (trees if rnd % 2 == 0 else trees[::-1]):
+                    r = {"tree": name, "round": rnd, **asyncio.run(run(sp, args.requests, Path(tmp), tree))}
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
     cmd = f"benchmarks/request_stages.py --requests {args.requests} --speedups {args.speedups}" + (
-        f" --baseline {args.baseline}" if args.baseline else "")
+        f" --baseline {args.baseline}" if args.baseline else "") + (f" --rounds {args.rounds}" if args.rounds > 1 else "")
     out = {**result_header("request_stages"), "command": cmd, "runs": results}
     out["loadavg"]["end"] = round(os.getloadavg()[0], 2)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.out}.json").write_text(json.dumps(out, indent=1))
-    lines = [f"`{cmd}`: one sim engine, one frontend of this tree with its stages stamped, concurrency 1, 64-token chat "
+    columns = [(name, float(sp)) for sp in args.speedups.split(",") for name, _ in trees]
+
+    def cell(name: str, sp: float, pick) -> list[float]:  # one value per round
+        return [v for r in results if r["tree"] == name and r["speedup"] == sp and (v := pick(r)) is not None]
+
+    def stamp(lb: str):
+        return lambda r: next((s["us"] for s in r["stages_us_p50"] if s["stamp"] == lb), None)
+
+    def fmt(vals: list[float], spec: str) -> str:
+        if not vals:
+            return "–"
+        mid = format(statistics.median(vals), spec)
+        return mid if len(vals) == 1 else f"{mid} ({' / '.join(format(v, spec) for v in vals)})"
+
+    lines = [f"`{cmd}`: one sim engine, a frontend of each tree in turn with its stages stamped, concurrency 1, 64-token chat "
              f"prompts, 16 output tokens. Microseconds since the request's first byte reached the HTTP parser, median "
              f"over the requests; `>` a stage's entry, `<` its exit; new = this tree"
-             + (f", base = {args.baseline}" if args.baseline else "") + f". Machine: {out['machine']}, load {out['loadavg']}.", ""]
+             + (f", base = {args.baseline}" if args.baseline else "") + ". With several rounds: their median, then each "
+             f"round's. Machine: {out['machine']}, load {out['loadavg']}.", ""]
     labels = [s["stamp"] for s in results[0]["stages_us_p50"]]
-    lines.append("| stamp | " + " | ".join(f"{r['tree']}, sim speed-up {r['speedup']:g}" for r in results) + " |")
-    lines.append("|---|" + "---|" * len(results))
+    lines.append("| stamp | " + " | ".join(f"{name}, sim speed-up {sp:g}" for name, sp in columns) + " |")
+    lines.append("|---|" + "---|" * len(columns))
     for lb in labels:
-        row = [next((f"{s['us']:,}" for s in r["stages_us_p50"] if s["stamp"] == lb), "–") for r in results]
-        lines.append(f"| {lb} | " + " | ".join(row) + " |")
-    lines.append("| TTFT p50 through the frontend, ms | " + " | ".join(f"{r['ttft_p50_ms']['frontend']:.2f}" for r in results) + " |")
-    lines.append("| TTFT p50 at the engine itself, ms | " + " | ".join(f"{r['ttft_p50_ms']['engine']:.2f}" for r in results) + " |")
-    lines.append("| TTFT added, ms | " + " | ".join(f"{r['ttft_p50_ms']['added']:.2f}" for r in results) + " |")
+        lines.append(f"| {lb} | " + " | ".join(fmt(cell(n, sp, stamp(lb)), ",.0f") for n, sp in columns) + " |")
+    for what, key in (("TTFT p50 through the frontend, ms", "frontend"), ("TTFT p50 at the engine itself, ms", "engine"),
+                      ("TTFT added, ms", "added")):
+        lines.append(f"| {what} | " + " | ".join(fmt(cell(n, sp, lambda r: r["ttft_p50_ms"][key]), ".2f") for n, sp in columns) + " |")
     (RESULTS / f"{args.out}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
