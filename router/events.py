@@ -119,8 +119,8 @@ class _Source:
     async def _subscribe(self) -> None:
         # A plain (synchronous) socket, read when the loop sees its file descriptor readable. ZeroMQ signals that
         # descriptor on edges, so ZMQ_EVENTS is asked before each read and before each wait. pyzmq's asyncio
-        # socket does the same with a future, a zmq.Again and a handler update per wake-up and message, which
-        # cost more than decoding the events (docs/benchmarks.md, "KV events").
+        # socket does the same with a future, a zmq.Again and a handler update per wake-up and message
+        # (docs/benchmarks.md, "KV events and the engine send").
         sub = zmq.Socket(self.owner.ctx, zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
