@@ -206,3 +206,29 @@ async def test_sync_starts_stops_and_falls_back_to_approximate(ctx, tmp_path, ca
     ing.sync([])
     assert ing.sources == {} and ix.workers() == []
     await ing.close()
+
+
+async def test_bursts_and_lulls_are_all_read_from_the_socket_descriptor(ctx, tmp_path):
+    """The live socket is read when the loop sees its descriptor readable, and ZeroMQ signals that descriptor on edges:
+    batches that arrive while earlier ones are being applied, after a lull, or past `drain_max` (the ingestor
+    yields to the loop, then goes on) must all be read, none twice."""
+    wi = info("v", tmp_path, replay=False, block_size=4)
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(wi.kv_events_endpoint)
+    ix = KvIndex()
+    ing = KvEventIngestor(ix, ctx=ctx, drain_max=7)
+    ing.sync([wi])
+    await asyncio.sleep(0.3)  # the subscription reaches the publisher
+    seq = 0
+    for burst in (1, 50, 3, 200, 1):
+        for _ in range(burst):
+            payload = encode_batch(0.0, [BlockStored([seq + 1], None, [seq, seq, seq, seq], 4)])
+            await pub.send_multipart([b"kv-events", struct.pack(">Q", seq), payload])
+            seq += 1
+        await asyncio.sleep(0.05)  # a lull: the next burst wakes the reader again
+    await until(lambda: ing.stats()["v"]["last_seq"] == seq - 1)
+    stats = ing.stats()["v"]
+    assert stats["batches"] == seq and stats["blocks_stored"] == seq and stats["rejected"] == 0
+    assert all(ix.find_matches(block_hashes([i] * 4, 4)) == {"v": 1} for i in (0, 51, 254))
+    await ing.close()
+    pub.close(0)
