@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.frontend_overhead import cpu_seconds  # noqa: E402  (utime + stime of a process, from /proc)
+
 RESULTS = ROOT / "benchmarks" / "results"
 WORKLOADS = {"short": (4, 2000.0), "long": (64, 500.0), "evict": (64, 250.0)}  # blocks a batch, batches a second
 BLOCK = 16
@@ -63,11 +65,6 @@ try:
 except ImportError:
     asyncio.run(main(sys.argv[1]))
 """
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def child(tree: Path, endpoint: str) -> subprocess.Popen:

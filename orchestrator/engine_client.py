@@ -391,7 +391,7 @@ class EngineClient:
             except (RuntimeError, OSError) as exc:  # closed under us: the task starts on a fresh connection
                 conn._fail_with(EngineUnreachableError(f"ServerDisconnected: {exc}"))
         task = loop.create_task(self._exchange("POST", url, payload, headers, read_timeout_s, headers_timeout_s,
-                                               total_s, sent=sent))
+                                               total_s, sent=sent, head=head))
         if sent is not None:  # cancelled before its first step, the task never reaches its own clean-up
             task.add_done_callback(lambda t, conn=sent[0]: t.cancelled() and conn._fail_with(
                 EngineStreamError("Cancelled: the request was cancelled")))
@@ -428,10 +428,12 @@ class EngineClient:
 
     async def _exchange(self, method: str, url: str, payload: bytes, headers: dict[str, str], read_timeout_s: float,
                         headers_timeout_s: float | None, total_s: float | None,
-                        sent: tuple[_Conn, asyncio.Future] | None = None) -> EngineResponse:
-        """`sent`: (a kept-alive connection, its headers future) the request was already written on (start_post)."""
+                        sent: tuple[_Conn, asyncio.Future] | None = None, head: bytes | None = None) -> EngineResponse:
+        """`sent`: (a kept-alive connection, its headers future) the request was already written on (start_post);
+        `head`: the request's head, if the caller built it already."""
         key, target, host = _target(url)
-        head = _head(method, target, host, headers, len(payload))
+        if head is None:
+            head = _head(method, target, host, headers, len(payload))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + total_s if total_s else None
         for attempt in (0, 1):

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from workers.sim.backend import SIM_TOKENIZER_DIR
 from workers.types import WorkerInfo
 
-__all__ = ["FakeEngine", "ThreadedEngine", "free_port", "free_port_pair", "winfo"]
+__all__ = ["FakeEngine", "ThreadedEngine", "free_port", "free_port_pair", "free_port_run", "winfo"]
 
 
 def winfo(wid: str, url: str, max_model_len: int = 64) -> WorkerInfo:
@@ -61,16 +61,8 @@ def free_port_run(n: int) -> int:
 
 def free_port_pair() -> int:
     """A port p with p and p + 1 both free now (an engine's KV-event socket and its replay socket; a local cluster's
-    first two engines)."""
-    for _ in range(50):
-        p = free_port()
-        try:
-            with socket.socket() as b:
-                b.bind(("127.0.0.1", p + 1))
-                return p
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free ports")
+    first two engines), outside the kernel's ephemeral range (free_port_run)."""
+    return free_port_run(2)
 
 
 class ThreadedEngine:
