@@ -127,12 +127,13 @@ class AdmissionController:
         q.waiters.push(fut, key_id, priority, weight)
         self.on_queue(model, len(q.waiters))
         self._ensure_poker(model)
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
-        except asyncio.TimeoutError:
+        try:  # the future awaited in this task (no wait_for task, no shield): a grant wakes it on the next loop turn
+            async with asyncio.timeout(self.queue_timeout_s):
+                await fut
+        except TimeoutError:  # the deadline cancelled this task and with it the future, unless it was granted first
             if not fut.done():
                 fut.cancel()
-            else:  # granted in the same instant the deadline fired: hand the slot back
+            elif not fut.cancelled():  # granted in the same instant the deadline fired: hand the slot back
                 self._release(model)
             raise self._reject(model, "queue_timeout", f"`{model}` stayed at capacity for {self.queue_timeout_s:g}s; retry later") from None
         except BaseException:  # the client went away while queued
