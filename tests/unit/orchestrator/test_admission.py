@@ -69,6 +69,25 @@ async def test_cancelled_waiter_leaves_no_slot_behind():
     await ctl.close()
 
 
+async def test_a_waiter_granted_and_cancelled_in_the_same_turn_hands_its_slot_back():
+    """The grant sets the waiter's future; the client leaving cancels its task before it wakes: the slot it was given
+    must go to the next waiter (or back), not leak."""
+    ctl = AdmissionController(max_inflight=1, max_queued=4, queue_timeout_s=5)
+    t = await ctl.admit("m")
+    w = asyncio.create_task(ctl.admit("m"))
+    w2 = asyncio.create_task(ctl.admit("m"))
+    await asyncio.sleep(0.01)
+    assert ctl.queued("m") == 2
+    t.release()  # grants w's future ...
+    w.cancel()   # ... and w's client leaves before w runs
+    await asyncio.gather(w, return_exceptions=True)
+    t2 = await asyncio.wait_for(w2, 1)  # the slot went on to the next waiter
+    assert ctl.inflight("m") == 1
+    t2.release()
+    assert ctl.inflight("m") == 0 and ctl.queued("m") == 0
+    await ctl.close()
+
+
 async def test_saturation_holds_requests_until_it_clears():
     state = {"full": True}
     ctl = AdmissionController(max_queued=4, queue_timeout_s=5, saturated=lambda m: state["full"], recheck_s=0.02)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from orchestrator.engine_client import EngineClient, EngineStreamError, EngineUnreachableError
+from orchestrator.engine_client import EngineClient, EngineStreamError, EngineUnreachableError, _Conn
 
 
 class Engine:
@@ -345,5 +345,49 @@ async def test_an_idle_connection_whose_transport_died_is_replaced(says_closing)
     assert resp.status_code == 200 and await resp.aread() == b"ok"
     await resp.aclose()
     assert e.connections == 2
+    await c.close()
+    await e.stop()
+
+
+async def test_a_request_on_a_new_connection_is_written_one_loop_turn_after_the_connect():
+    """In a burst, every loop turn between a request's admission and its engine write waits behind the admissions that
+    arrived meanwhile. Without a kept-alive connection, the write follows the connect on the task's next step: one
+    turn more than the connect itself takes on this loop (a wait_for around the connect took three more)."""
+    async def script(w, n):
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    e, url = await _engine(script)
+    loop = asyncio.get_running_loop()
+    turns = 0
+
+    def tick():
+        nonlocal turns
+        turns += 1
+        ticker[0] = loop.call_soon(tick)
+
+    ticker = [loop.call_soon(tick)]
+    port = int(url.rsplit(":", 1)[1])
+    start = turns
+    transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", port)
+    connect_turns = turns - start
+    transport.close()
+    c = EngineClient(1.0)
+    written: list[int] = []
+    real_send = _Conn.send
+
+    def send(self, *args):
+        written.append(turns)
+        return real_send(self, *args)
+
+    _Conn.send = send
+    try:
+        start = turns
+        r = await c.start_post(url + "/x", b"{}", {}, 5)
+    finally:
+        _Conn.send = real_send
+        ticker[0].cancel()
+    assert written and written[0] - start <= connect_turns + 1, (written[0] - start, connect_turns)
+    assert await r.aread() == b"ok"
+    await r.aclose()
     await c.close()
     await e.stop()
