@@ -32,6 +32,9 @@
  *       -> (rank_by_score(kv_scores(...), endpoints, r), the scores as bytes of native doubles in endpoint order)
  *   merge_loads(endpoints, own_loads) -> None: for each endpoint with an entry in own_loads,
  *       copy the scraped engine fields into that entry and make it the endpoint's load.
+ *   msgpack_u32(buf) -> bytes of native uint32, or None: `buf` (bytes-like) must be exactly one msgpack array whose
+ *       items are all ints in [0, 2^32) (any int encoding); else None (the caller decodes it the general way). How a
+ *       KV event's token ids are read without an int object each (workers/vllm/kv_events.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1118,9 +1121,100 @@ done:
     return out;
 }
 
+/* msgpack_u32: see the header. Big-endian reads of the msgpack integer encodings. */
+static inline uint64_t
+be_read(const unsigned char *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static PyObject *
+msgpack_u32(PyObject *self, PyObject *arg)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *p = (const unsigned char *)view.buf, *end = p + view.len;
+    PyObject *out = NULL;
+    uint64_t n;
+    if (p >= end)
+        goto none;
+    if ((*p & 0xf0) == 0x90) {
+        n = *p & 0x0f;
+        p += 1;
+    } else if (*p == 0xdc && end - p >= 3) {
+        n = be_read(p + 1, 2);
+        p += 3;
+    } else if (*p == 0xdd && end - p >= 5) {
+        n = be_read(p + 1, 4);
+        p += 5;
+    } else {
+        goto none;
+    }
+    if (n > (uint64_t)(end - p)) /* every item takes at least one byte */
+        goto none;
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n * 4));
+    if (out == NULL)
+        goto done;
+    uint32_t *dst = (uint32_t *)PyBytes_AS_STRING(out);
+    for (uint64_t i = 0; i < n; i++) {
+        if (p >= end)
+            goto none;
+        unsigned char b = *p++;
+        uint64_t v;
+        int64_t sv;
+        int width;
+        if (b <= 0x7f) {
+            dst[i] = b;
+            continue;
+        }
+        switch (b) {
+        case 0xcc: width = 1; break;
+        case 0xcd: width = 2; break;
+        case 0xce: width = 4; break;
+        case 0xcf: width = 8; break;
+        case 0xd0: width = -1; break;
+        case 0xd1: width = -2; break;
+        case 0xd2: width = -4; break;
+        case 0xd3: width = -8; break;
+        default: goto none; /* a negative fixint, or not an int */
+        }
+        int w = width < 0 ? -width : width;
+        if (end - p < w)
+            goto none;
+        v = be_read(p, w);
+        p += w;
+        if (width < 0) { /* signed: sign-extend from w bytes */
+            if (w < 8 && (v >> (8 * w - 1)) & 1)
+                goto none;
+            sv = (int64_t)v;
+            if (sv < 0)
+                goto none;
+        }
+        if (v > 0xffffffffULL)
+            goto none;
+        dst[i] = (uint32_t)v;
+    }
+    if (p != end)
+        goto none;
+    goto done;
+none:
+    Py_XDECREF(out);
+    out = Py_None;
+    Py_INCREF(out);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_VARARGS | METH_KEYWORDS,
      "chain_hashes(tokens, block_size, seed=1337, parent=None) -> list of chained 64-bit block hashes"},
+    {"msgpack_u32", msgpack_u32, METH_O,
+     "msgpack_u32(buf) -> bytes of native uint32, or None unless buf is exactly a msgpack array of ints in [0, 2^32)"},
     {"merge_loads", merge_loads, METH_VARARGS,
      "merge_loads(endpoints, own_loads) -> None: ep.load = own_loads[ep.worker_id] with the scraped engine fields"},
     {"rank_by_score", rank_by_score, METH_VARARGS,

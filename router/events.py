@@ -24,7 +24,9 @@ raises into the caller. Defaults: replay_timeout_s 2.0, poll_interval_s 0.1, exp
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
+import inspect
 import logging
 import struct
 import time
@@ -68,6 +70,9 @@ class _Source:
         self.info = info
         self.fmt = fmt
         self.codec = importlib.import_module(_CODECS[fmt])
+        decode = getattr(self.codec, "decode_payload", None)  # ZMQ formats; token ids as uint32 buffers where offered
+        self._decode_payload = (functools.partial(decode, packed_ids=True)
+                                if decode is not None and "packed_ids" in inspect.signature(decode).parameters else decode)
         self.stream = EventStream(info.worker_id, owner.index, replayable=bool(info.kv_replay_endpoint) and fmt != "trtllm")
         self._logged_at = 0.0
         self._suppressed = 0
@@ -92,7 +97,7 @@ class _Source:
 
     def decode(self, seq: int, payload: bytes) -> KvEventBatch | None:
         try:
-            return self.codec.decode_payload(payload, seq)
+            return self._decode_payload(payload, seq)
         except KvEventDecodeError as exc:  # counted by the stream as undecodable
             self.complain(f"skipped undecodable KV event batch {seq}: {exc}")
             return None

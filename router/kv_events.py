@@ -20,7 +20,9 @@ class KvEventDecodeError(ValueError):
 class BlockStored:
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    # a list of ints, or (vLLM's decode_payload with packed_ids=True: the KV-event reader's) a memoryview of native
+    # uint32, which the index's hashing reads without an int object per token
+    token_ids: list[int] | memoryview
     block_size: int
     lora_name: str | None = None
     medium: str | None = None

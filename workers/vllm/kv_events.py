@@ -222,7 +222,7 @@ class _RStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     block_hashes: list[int]
     block_size: _PositiveInt
     parent_block_hash: int | None = None
-    token_ids: list[int] = []
+    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # kept as msgpack: read by _token_ids (an empty array by default)
     lora_name: str | None = None
     medium: str | None = None
     extra_keys: list[Any] | None = None
@@ -244,6 +244,22 @@ class _RBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 _typed_decoder = msgspec.msgpack.Decoder(_RBatch)
+_ids_decoder = msgspec.msgpack.Decoder(list[int])
+
+try:  # a stored batch of a long prompt's chunk carries ~1,000 token ids: read in C, without an int object each
+    from router._kvcore import msgpack_u32 as _msgpack_u32
+except ImportError:  # not built: decoded to a list (router/hashing.py warns once that the extension is missing)
+    _msgpack_u32 = None
+
+
+def _token_ids(raw: msgspec.Raw, packed: bool) -> list[int] | memoryview:
+    """The ids of a BlockStored: with `packed`, a memoryview of native uint32 (when all are in [0, 2^32)); else a list.
+    Raises msgspec.ValidationError when they are not all ints (the generic path then explains)."""
+    if packed and _msgpack_u32 is not None:
+        buf = _msgpack_u32(raw)
+        if buf is not None:
+            return memoryview(buf).cast("I")
+    return _ids_decoder.decode(raw)  # out-of-range ids stay ints: the index refuses them (BlockHashError)
 
 
 def _u64(hashes: list[int]) -> list[int]:
@@ -251,14 +267,14 @@ def _u64(hashes: list[int]) -> list[int]:
     return hashes if not hashes or (min(hashes) >= 0 and max(hashes) <= _U64) else [h & _U64 for h in hashes]
 
 
-def _from_typed(batch: _RBatch, seq: int) -> KvEventBatch:
+def _from_typed(batch: _RBatch, seq: int, packed: bool) -> KvEventBatch:
     out: list[KvEvent] = []
     for ev in batch.events:
         if type(ev) is _RStored:
             parent = ev.parent_block_hash
             mm = decode_mm_keys(ev.extra_keys, len(ev.block_hashes)) if ev.extra_keys and any(ev.extra_keys) else None
-            out.append(BlockStored(_u64(ev.block_hashes), None if parent is None else parent & _U64, ev.token_ids,
-                                   ev.block_size, ev.lora_name, ev.medium, mm))
+            out.append(BlockStored(_u64(ev.block_hashes), None if parent is None else parent & _U64,
+                                   _token_ids(ev.token_ids, packed), ev.block_size, ev.lora_name, ev.medium, mm))
         elif type(ev) is _RRemoved:
             out.append(BlockRemoved(_u64(ev.block_hashes), ev.medium))
         else:
@@ -266,10 +282,13 @@ def _from_typed(batch: _RBatch, seq: int) -> KvEventBatch:
     return KvEventBatch(seq=seq, ts=batch.ts, events=out, dp_rank=batch.data_parallel_rank)
 
 
-def decode_payload(payload: bytes, seq: int = 0) -> KvEventBatch:
-    """Decode one EventBatch payload. Raises KvEventDecodeError on anything malformed."""
+def decode_payload(payload: bytes, seq: int = 0, packed_ids: bool = False) -> KvEventBatch:
+    """Decode one EventBatch payload. Raises KvEventDecodeError on anything malformed.
+
+    `packed_ids`: a BlockStored's token ids as a memoryview of native uint32 where they fit (the KV-event reader,
+    router/events.py: no int object per token); otherwise, and always on the generic path, a list of ints."""
     try:
-        return _from_typed(_typed_decoder.decode(payload), seq)
+        return _from_typed(_typed_decoder.decode(payload), seq, packed_ids)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         pass  # not the common modern shape: the generic path decides (and explains any error)
     try:
