@@ -16,6 +16,7 @@ from orchestrator.config import FrontendConfig
 from orchestrator.disagg import DisaggCoordinator
 from orchestrator.errors import install_error_handlers
 from orchestrator.heap import GcPauses, settle
+from orchestrator.hot_path import KvyardApp
 from orchestrator.loopwatch import LoopWatch
 from orchestrator.metrics import FrontendMetrics
 from orchestrator.pool import WorkerPool
@@ -148,7 +149,7 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
             gc_pauses.stop()
             service.tracing.shutdown()  # the last spans flushed
 
-    app = FastAPI(title="kvyard", version="0.1.0", lifespan=lifespan, **_NO_FASTAPI_TELEMETRY)
+    app = KvyardApp(title="kvyard", version="0.1.0", lifespan=lifespan, **_NO_FASTAPI_TELEMETRY)
     app.state.cfg, app.state.pool, app.state.router, app.state.metrics = cfg, pool, router, metrics
     app.state.loopwatch = loopwatch
     app.state.service = service  # the request path (tests reach the disagg coordinator's books through it)
@@ -172,7 +173,9 @@ def create_app(cfg: FrontendConfig, discovery: Discovery | None = None, tracing:
     install_error_handlers(app, on_error=count_error)
     openai = make_openai_router(service, guard, pool, cfg.max_body_bytes, cfg.lora)
     app.include_router(openai)
-    app.router.routes[0:0] = hot_routes(openai)  # matched first: the inference POSTs without FastAPI's per-request cost
+    hot = hot_routes(openai)
+    app.router.routes[0:0] = hot  # matched first: the inference POSTs without FastAPI's per-request cost
+    app.hot_routes = {r.path: r for r in hot}  # and, where no root_path is set, without the other layers either
     app.include_router(make_forwarded_router(PassThrough(service), guard, pool, cfg.max_body_bytes))
     app.include_router(make_ops_router(pool, metrics))
     app.include_router(make_cluster_router(admin, pool, router, ingestor, service))

@@ -105,26 +105,41 @@ def endpoint_counted(app, endpoint: str, status: str) -> float:
                if s.name.endswith("_total") and s.labels["endpoint"] == endpoint and s.labels["status"] == status)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-async def test_inference_posts_take_the_plain_route_and_keep_their_template(stack, path):
-    """The inference POSTs are served by plain Starlette routes placed first (orchestrator/routes/openai.py
-    hot_routes): errors still come back in the OpenAI shape, counted under the route template (not
-    "unmatched"), a wrong method is a 405, and the OpenAPI schema still lists the operation."""
+def _spy_on(app, path: str) -> tuple[list, list]:
+    """(paths the hot route's endpoint served, paths that entered the app's router), from now on."""
     from starlette.routing import request_response
 
     from orchestrator.routes.openai import _HotRoute
 
-    client, disc, app = stack
-    assert isinstance(app.router.routes[0], _HotRoute)
-    served = []
     hot = {r.path: r for r in app.router.routes if isinstance(r, _HotRoute)}
+    served, routed = [], []
     endpoint = hot[path].endpoint
 
     async def spy(request):
         served.append(request.scope["route"].path)
         return await endpoint(request)
 
-    hot[path].app = request_response(spy)
+    hot[path].endpoint, hot[path].app = spy, request_response(spy)  # the lean chain calls the first, the router the second
+    inner = app.router.middleware_stack
+
+    async def counting(scope, receive, send):
+        routed.append(scope["path"])
+        await inner(scope, receive, send)
+
+    app.router.middleware_stack = counting
+    return served, routed
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_inference_posts_take_the_lean_chain_and_keep_their_template(stack, path):
+    """The inference POSTs skip the router and FastAPI's own layers (orchestrator/hot_path.py) but not the app's
+    middlewares or error handlers: errors still come back in the OpenAI shape, counted under the route template (not
+    "unmatched"), a wrong method is a 405 (through the router), and the OpenAPI schema still lists the operation."""
+    from orchestrator.routes.openai import _HotRoute
+
+    client, disc, app = stack
+    assert isinstance(app.router.routes[0], _HotRoute)
+    served, routed = _spy_on(app, path)
     with FakeEngine() as eng:
         await join(app, disc, winfo("a", eng.url, max_model_len=4096))
         before = endpoint_counted(app, path, "400")
@@ -136,9 +151,46 @@ async def test_inference_posts_take_the_plain_route_and_keep_their_template(stac
         r = await client.post(path, json=body)
         assert r.status_code == 200, r.text
         assert served == [path, path]
+        refused = await client.post(path, json=body, headers={"host": "attacker.example"})  # the app's middleware
+        assert_openai_error(refused, 403)
+        assert served == [path, path] and routed == []
     assert_openai_error(await client.get(path), 405)
     assert endpoint_counted(app, path, "405") == 1
+    assert routed == [path]
     assert path in app.openapi()["paths"]
+
+
+async def test_inference_post_under_a_root_path_takes_the_full_stack(stack):
+    """With a root_path (a proxy's prefix) the router strips it; the lean chain, which matches exact paths, leaves
+    such a request to it."""
+    client, disc, app = stack
+    served, routed = _spy_on(app, "/v1/completions")
+    with FakeEngine() as eng:
+        await join(app, disc, winfo("a", eng.url, max_model_len=4096))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, root_path="/api"),
+                                     base_url="http://127.0.0.1", timeout=30) as prefixed:
+            r = await prefixed.post("/api/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    assert served == ["/v1/completions"] and routed == ["/api/v1/completions"]
+
+
+async def test_an_unexpected_error_on_the_lean_chain_is_a_500_in_the_openai_shape(stack):
+    """An exception nothing handles is answered by the app's 500 handler, as on the full stack, and raised on to the
+    server (which logs it)."""
+    from orchestrator.routes.openai import _HotRoute
+
+    client, disc, app = stack
+    route = next(r for r in app.router.routes if isinstance(r, _HotRoute) and r.path == "/v1/completions")
+
+    async def broken(request):
+        raise ZeroDivisionError("a bug")
+
+    route.endpoint = broken
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                 base_url="http://127.0.0.1", timeout=30) as c:
+        r = await c.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    err = assert_openai_error(r, 500)
+    assert "a bug" not in err["message"]
 
 
 # ---- (6) engine-internal fields never reach the engine --------------------------------------------------------------
