@@ -3,10 +3,11 @@
 A request reaches a route through every layer FastAPI and Starlette stack in front of the router: the error
 middleware, FastAPI's exception-telemetry and body-limit middlewares, the app's own middlewares, the exception
 middleware, FastAPI's per-request AsyncExitStack, the router's match over the route list, the route's handler and
-its second exception wrapper. On a 64-token request that is ~7% of the frontend's CPU (py-spy, `benchmarks/
-frontend_cpu.py --only new --workloads short --pyspy ...`), for layers the two inference endpoints do not use:
-they take a `Request` and return a `Response` (no dependencies, no form files, no body limit of FastAPI's: kvyard
-bounds the body itself).
+its second exception wrapper: layers the two inference endpoints do not use (they take a `Request` and return a
+`Response`: no dependencies, no form files, no body limit of FastAPI's, since kvyard bounds the body itself). With
+caches warm they cost only a few microseconds of a ~0.9 ms request; at concurrency 1, with caches cold from the
+engine and the client running in between, skipping them brings kvyard's handler ~60 µs sooner and the engine write
+~50 µs sooner (`benchmarks/request_stages.py`, docs/benchmarks.md "KV events and the engine send").
 
 `KvyardApp.hot_routes` maps those paths to their routes (orchestrator/routes/openai.py `hot_routes`). A POST to one
 of them runs

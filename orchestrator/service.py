@@ -359,7 +359,7 @@ class InferenceService:
         self.metrics.child(self.metrics.inflight, model).inc()
         booked_arrival = False
 
-        def book_arrival() -> None:  # once the engine request is written: its latency is not the client's
+        def book_arrival() -> None:  # once the engine request is sent (send_ranked's `sent`): not after its answer
             nonlocal booked_arrival
             if not booked_arrival:
                 booked_arrival = True
@@ -438,7 +438,9 @@ class InferenceService:
 
     async def send_ranked(self, rreq: RouteRequest, ranked: list[Endpoint], path: str, payload: bytes, stream: bool,
                     d: Dispatched | None = None, sent: Callable[[], None] | None = None):
-        """POST to the ranked engines in turn until one answers below 500; `sent()` is called after each write.
+        """POST to the ranked engines in turn until one answers below 500; `sent()` is called as each attempt is
+        handed to the engine client (the request already written when a kept-alive connection was at hand, else
+        about to be, once its connection opens).
 
         Each failure (nothing received, a timeout, a 5xx) counts against that worker's breaker; the
         next attempt waits a jittered exponential backoff. Bounded by max_attempts and the deadline
