@@ -331,9 +331,13 @@ async def test_worker_series_removed_when_it_leaves(stack):
         await join(app, disc, winfo("wa", a.url, max_model_len=4096), winfo("wb", b.url, max_model_len=4096))
         for _ in range(4):
             assert (await client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})).status_code == 200
-        app.state.service.breakers.failure("wa", "test")
-        app.state.service._breaker_changed("wa", app.state.service.breakers.state("wa"))
-        assert 'worker="wa"' in (await client.get("/metrics")).text
+        # The router's random tie-break may send all four to one worker: give both a breaker series, so each has
+        # at least one per-worker series whatever the routing did.
+        for w in ("wa", "wb"):
+            app.state.service.breakers.failure(w, "test")
+            app.state.service._breaker_changed(w, app.state.service.breakers.state(w))
+        text = (await client.get("/metrics")).text
+        assert 'worker="wa"' in text and 'worker="wb"' in text
         await disc.deregister("wa")
         await app.state.pool.refresh()
         text = (await client.get("/metrics")).text
