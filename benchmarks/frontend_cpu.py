@@ -183,12 +183,12 @@ def short_bodies(n: int, max_tokens: int, seed: int) -> list[tuple[str, dict]]:
 class PySpy:
     """py-spy record (raw collapsed stacks) of one process while a block runs."""
 
-    def __init__(self, exe: str | None, pid: int, out: Path | None) -> None:
-        self.exe, self.pid, self.out, self.proc = exe, pid, out, None
+    def __init__(self, exe: str | None, pid: int, out: Path | None, rate: int = 200) -> None:
+        self.exe, self.pid, self.out, self.proc, self.rate = exe, pid, out, None, rate
 
     def __enter__(self):
         if self.exe:
-            self.proc = subprocess.Popen([self.exe, "record", "--pid", str(self.pid), "--format", "raw", "--rate", "200",
+            self.proc = subprocess.Popen([self.exe, "record", "--pid", str(self.pid), "--format", "raw", "--rate", str(self.rate),
                                           "--threads", "-o", str(self.out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
         return self
@@ -216,6 +216,7 @@ async def main() -> None:
     ap.add_argument("--idle-s", type=float, default=10.0, help="seconds without load, to measure the frontend's own background CPU")
     ap.add_argument("--speedup", type=float, default=2.0, help="sim engine speed-up (paces decode; 1 = the profile's ITL)")
     ap.add_argument("--pyspy", type=Path, default=None, help="folder for py-spy raw profiles (uses $PYSPY or py-spy)")
+    ap.add_argument("--pyspy-rate", type=int, default=200, help="py-spy samples a second")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--render", type=Path, default=None, help="only rewrite the .md from this frontend_cpu.json")
     args = ap.parse_args()
@@ -265,7 +266,8 @@ async def main() -> None:
                         seed = 100 * rnd + 10 * names.index(k)  # each frontend its own prompts: no run warms the engines' cache for the next
                         base = f"http://127.0.0.1:{ports[k]}"
                         cpu0 = cpu_seconds(procs[k].pid)
-                        with PySpy(spy, procs[k].pid, args.pyspy / f"{wl}-c{conc}-{k}-r{rnd}.txt" if args.pyspy else None):
+                        with PySpy(spy, procs[k].pid, args.pyspy / f"{wl}-c{conc}-{k}-r{rnd}.txt" if args.pyspy else None,
+                                   args.pyspy_rate):
                             if wl == "long":
                                 res, wall = await long_run(base, conc, args.turns, 11 + seed)
                             elif wl == "short":

@@ -4,8 +4,9 @@
 
 One sim engine (KV events on) and one frontend of this tree, started through this script's own launcher
 (`--launch`), which wraps a few of the frontend's functions to stamp, for each request, the time since its first
-byte reached the HTTP parser (on_message_begin) at their entry (`>`) and exit (`<`), up to the engine write
-(`_Conn.send`). A client sends chat requests (64-token prompts, 16 output tokens) one at a time, alternating
+byte reached the HTTP parser (on_message_begin) at their entry (`>`) and exit (`<`), through the engine write
+(`_Conn.send`) and the engine's answer, up to the first write to the client that carries a content chunk
+(`DirectBody.write`: what the client's TTFT waits for). A client sends chat requests (64-token prompts, 16 output tokens) one at a time, alternating
 between the frontend and the engine itself, so the TTFT the frontend adds is read beside the stages. Each speed-up
 of the sim is one run: at 2 the engine takes ~10 ms to its first token and the frontend's code runs with caches
 cold from the engine and the client that share the machine's cores; at 200 requests come back to back (warm).
@@ -46,6 +47,7 @@ STAGES = (
     ("orchestrator.resilience.admission", "AdmissionController.admit", "admission"),
     ("router.router", "Router.route", "route"),
     ("orchestrator.service", "InferenceService.send_ranked", "send"),
+    ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle.send", "asgi send"),
 )
 
 
@@ -98,6 +100,8 @@ def launch(out: str, argv: list[str]) -> None:
             cur["t0"], cur["marks"] = pc(), []
             return begin(self)
         cls.on_message_begin = on_message_begin
+        wrap(cls, "on_headers_complete", "headers parsed")
+        wrap(cls, "on_message_complete", "body parsed")
         return cls
     connections.guarded_protocol = guarded_protocol
     send = engine_client._Conn.send
@@ -105,10 +109,24 @@ def launch(out: str, argv: list[str]) -> None:
     def conn_send(self, head, body, *a, **k):
         if cur["t0"] is not None and body:
             mark("engine write")
-            done.append(cur["marks"])
-            cur["t0"] = None
         return send(self, head, body, *a, **k)
     engine_client._Conn.send = conn_send
+    # the way back: the engine's answer, then the first write to the client that carries content (the client's TTFT)
+    wrap(engine_client._Conn, "on_headers_complete", "engine headers")
+    wrap(engine_client._Conn, "on_body", "engine body")
+    from orchestrator import direct_body
+    write = direct_body.DirectBody.write
+
+    def body_write(self, data):
+        r = write(self, data)
+        if cur["t0"] is not None:
+            mark("client write")
+            if b'"content"' in data:
+                mark("content to client")
+                done.append(cur["marks"])
+                cur["t0"] = None
+        return r
+    direct_body.DirectBody.write = body_write
 
     def dump(*_) -> None:
         tmp = Path(out + ".part")

@@ -44,6 +44,7 @@ from orchestrator.errors import (
     ModelNotFoundError,
     ServiceUnavailableError,
 )
+from orchestrator.json_input import dump_json
 from orchestrator.lora import LoraAdapterSpec, LoraManager, features_of
 from orchestrator.metrics import BatchedObserver, FrontendMetrics
 from orchestrator.multimodal import stamp_uuids
@@ -352,7 +353,7 @@ class InferenceService:
                 send_body["return_token_ids"] = True  # exact continuation prompts (resilience/migration.py)
                 strip_ids = True
         send_body = self._engine_fields(send_body, info, adapter, mm_items, priority[0])
-        payload = json.dumps(send_body).encode()
+        payload = dump_json(send_body)
         d = Dispatched(rreq, endpoints[0], None, req.stream, req.include_usage, t0, kind=kind, path=path, body=body,  # type: ignore[arg-type]
                        payload=payload, prompt=prompt, max_tokens=max_tokens, blocker=blocker, strip_ids=strip_ids,
                        deadline=t0 + self.cfg.resilience.request_timeout_s, ticket=ticket)
@@ -670,7 +671,7 @@ class InferenceService:
         if not endpoints:
             raise end("exhausted", "the engine stream failed mid-way and no other worker is available to continue it")
         body = continuation_body(d.kind, d.body, prompt_ids, gen_ids, tracker.text, n_gen, d.max_tokens, d.strip_ids)
-        payload = json.dumps(body).encode()
+        payload = dump_json(body)
         rreq = RouteRequest(request_id=d.rreq.request_id, model=model,
                             token_ids=body["prompt"] if isinstance(body["prompt"], list) else [],
                             max_tokens=body.get("max_tokens") or 0, lora_name=d.rreq.lora_name, session_id=d.rreq.session_id)

@@ -52,6 +52,7 @@ from orchestrator.config import DisaggConfig
 from orchestrator.disagg.decision import DisaggDecision, decide
 from orchestrator.engine_client import EngineClient, EngineResponse, EngineStreamError, EngineUnreachableError
 from orchestrator.errors import ServiceUnavailableError
+from orchestrator.json_input import dump_json
 from orchestrator.metrics import FrontendMetrics
 from orchestrator.tracing import Tracing
 from orchestrator.routing import build_phase_routers
@@ -278,7 +279,7 @@ class DisaggCoordinator:
 
         async def call() -> tuple[int, bytes]:
             try:
-                resp = await self.client.post(ep.url + path, json.dumps(body).encode(), headers, timeout)
+                resp = await self.client.post(ep.url + path, dump_json(body), headers, timeout)
             except BaseException as exc:
                 tracing.end_attempt(span, error=f"{type(exc).__name__}: {exc}")
                 raise
@@ -335,7 +336,7 @@ class DisaggCoordinator:
         except ValueError as exc:
             raise PrefillFailed("prefill_bad_response", f"{p_ep.worker_id}: {exc}") from exc
         self.prefill_router.on_complete(call.rreq.request_id)  # hand-off received: the prefill is done
-        payload = json.dumps(vllm_handoff.decode_body(call.body, params)).encode()
+        payload = dump_json(vllm_handoff.decode_body(call.body, params))
         return await self._decode(call, call.decode.ranked, payload)
 
     async def _trtllm(self, call: _Call, p_ep: Endpoint):
@@ -351,13 +352,13 @@ class DisaggCoordinator:
         except ValueError as exc:
             raise PrefillFailed("prefill_bad_response", f"{p_ep.worker_id}: {exc}") from exc
         self.prefill_router.on_complete(call.rreq.request_id)  # hand-off received: the prefill is done
-        return await self._decode(call, call.decode.ranked, json.dumps(gen_body).encode())
+        return await self._decode(call, call.decode.ranked, dump_json(gen_body))
 
     async def _sglang(self, call: _Call, p_ep: Endpoint):
         live = self.pool.workers.get(p_ep.worker_id)
         port = (live.info.bootstrap_port if live else None) or sglang_handoff.DEFAULT_BOOTSTRAP_PORT
         body = sglang_handoff.bootstrap_body(call.body, urlparse(p_ep.url).hostname or "127.0.0.1", port, sglang_handoff.new_room())
-        payload = json.dumps(body).encode()
+        payload = dump_json(body)
         prefill = asyncio.ensure_future(self._post_prefill(p_ep, call.path, body, call.rreq.request_id))
         # decode is paired with this prefill by the room: no failover to another decode worker
         decode = asyncio.ensure_future(self._decode(call, call.decode.ranked[:1], payload))

@@ -69,3 +69,45 @@ def test_brackets_counts_both(data):
     assert _brackets(data) == data.count(b"[") + data.count(b"{")
     padded = data * (MAX_JSON_DEPTH // max(1, len(data)) + 2)
     assert _brackets(padded) == padded.count(b"[") + padded.count(b"{")
+
+
+# ---- dump_json: engine bodies written by msgspec, meaning what json.dumps wrote ----------------------------------------
+
+def _random_value(rng, depth=0):
+    kind = rng.randrange(8 if depth < 4 else 5)
+    if kind == 0:
+        return rng.choice([True, False, None])
+    if kind == 1:
+        return rng.randint(-2**70, 2**70)
+    if kind == 2:
+        return rng.choice([0.1, -1e-300, 1e300, 3.0, rng.random() * 10 ** rng.randint(-20, 20)])
+    if kind in (3, 4):
+        return "".join(rng.choice(['a', 'é', '"', '\\', '\n', '\x00', '€', '😀', ' ', 'null']) for _ in range(rng.randrange(12)))
+    if kind in (5, 6):
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(5))]
+    return {f"k{i}{rng.choice(['', 'é', ' '])}": _random_value(rng, depth + 1) for i in range(rng.randrange(5))}
+
+
+def test_dump_json_means_what_json_dumps_wrote():
+    from orchestrator.json_input import dump_json
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        v = {"model": "m", "x": _random_value(rng)}
+        assert json.loads(dump_json(v)) == json.loads(json.dumps(v))
+    body = {"model": "m", "messages": [{"role": "user", "content": "héllo " * 1000}], "prompt": list(range(20000))}
+    out = dump_json(body)
+    assert json.loads(out) == body and b"\\u00e9" not in out  # msgspec wrote it (json.dumps escapes non-ASCII)
+
+
+def test_dump_json_keeps_what_only_json_writes():
+    from orchestrator.json_input import dump_json
+
+    # NaN and the infinities (json.loads accepts them in a client's body): json's words, not msgspec's null
+    for v in ({"temperature": float("nan")}, {"a": [float("inf"), -float("inf")]}):
+        assert dump_json(v) == json.dumps(v).encode()
+    assert json.loads(dump_json({1: "a", "b": (1, 2)})) == {"1": "a", "b": [1, 2]}  # as json.dumps writes them
+    lone = {"text": "a\ud800b"}  # msgspec refuses to write a lone surrogate; json escapes it
+    assert dump_json(lone) == json.dumps(lone).encode()
+    with pytest.raises(TypeError):  # what json.dumps cannot write either still fails as before
+        dump_json({"x": object()})
