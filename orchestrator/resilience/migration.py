@@ -152,6 +152,31 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
 PENDING_BYTES = 1 << 16  # raw events a tracker holds before decoding them (~300 chat chunks of ~200 bytes)
+_BIG_EVENT = 4096  # a token's chunk is a few hundred bytes; past this, an event may hold the prompt's ids
+_PROMPT_IDS = b'"prompt_token_ids":['
+
+
+def without_prompt_ids(ev: bytes) -> bytes:
+    """`ev` with each `"prompt_token_ids":[...]` written `"prompt_token_ids":null`.
+
+    With `return_token_ids` (which the frontend asks for, for the generated ids) vLLM puts the whole prompt's ids on
+    the role chunk: ~125 KB for an 18k-token prompt, which a tracker would hold and decode (~95 us) for a field no
+    migration reads (the frontend has the prompt's ids itself). The pattern cannot occur inside a JSON string (its
+    quotes would be escaped there) and the array holds only ints, so its first `]` ends it."""
+    i = ev.find(_PROMPT_IDS)
+    if i < 0:
+        return ev
+    out, start = [], 0
+    while i >= 0:
+        j = ev.find(b"]", i)
+        if j < 0:
+            break
+        out.append(ev[start : i + len(_PROMPT_IDS) - 1])  # up to and including `"prompt_token_ids":`
+        out.append(b"null")
+        start = j + 1
+        i = ev.find(_PROMPT_IDS, start)
+    out.append(ev[start:])
+    return b"".join(out)
 
 
 class StreamTracker:
@@ -179,6 +204,8 @@ class StreamTracker:
 
     def feed(self, ev: bytes) -> None:
         """One SSE event (b"data: {...}") that was relayed to the client."""
+        if len(ev) > _BIG_EVENT:  # a role chunk with the prompt's ids (vLLM's return_token_ids): not kept
+            ev = without_prompt_ids(ev)
         self._pending.append(ev)
         self._pending_bytes += len(ev)
         if self._pending_bytes > PENDING_BYTES:

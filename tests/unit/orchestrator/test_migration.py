@@ -413,3 +413,34 @@ def test_the_lazy_tracker_holds_a_bounded_window_of_raw_events():
         t.feed(ev)
         assert t._pending_bytes <= migration.PENDING_BYTES
     assert t.events == n and t.token_ids == [7] * n and "".join(t.parts) == " word" * n
+
+
+def test_the_tracker_drops_the_prompt_ids_of_a_role_chunk():
+    """vLLM's return_token_ids puts the prompt's ids on the role chunk: the tracker keeps the rest of the event, and
+    reads the same fields as from the event whole."""
+    import json as _json
+
+    from orchestrator.resilience.migration import without_prompt_ids
+
+    ids = list(range(100000, 118000))
+    role = b"data: " + _json.dumps({"id": "c1", "created": 5, "model": "m", "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}], "prompt_token_ids": ids},
+        separators=(",", ":")).encode()
+    tok = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":" a"},"token_ids":[11]}]}'
+    t, whole = StreamTracker(), StreamTracker()
+    t.feed(role)
+    assert t._pending_bytes < 400 and t._pending  # kept small, not decoded on the spot
+    t.feed(tok)
+    for ev in (role, tok):
+        whole._pending.append(ev)  # the event whole, as before
+    assert _tracker_state(t) == _tracker_state(whole)
+    assert t.token_ids == [11] and t.id == "c1" and t.model == "m"
+    cut = without_prompt_ids(role)
+    assert _json.loads(cut[6:])["prompt_token_ids"] is None and _json.loads(cut[6:])["choices"] == _json.loads(role[6:])["choices"]
+    # the completions shape (ids in each choice), several in one event, text that only looks like the key
+    ev = b'data: {"choices":[{"index":0,"text":"\\"prompt_token_ids\\":[1]","prompt_token_ids":[1,2,3],"token_ids":[4]}],' \
+         b'"prompt_token_ids":[5,6]}'
+    out = without_prompt_ids(ev)
+    assert _json.loads(out[6:]) == {"choices": [{"index": 0, "text": '"prompt_token_ids":[1]', "prompt_token_ids": None,
+                                                 "token_ids": [4]}], "prompt_token_ids": None}
+    assert without_prompt_ids(b"data: {}") == b"data: {}"
