@@ -14,7 +14,9 @@ class RouteRequest:
 
     request_id: str
     model: str
-    token_ids: list[int] = field(default_factory=list)  # the prompt's ids, or its first ones (see prompt_tokens)
+    # the prompt's ids, or its first ones (see prompt_tokens): a list, or for a long prompt a uint32 array
+    # (orchestrator/token_cache.py); a plugin reads it as a sequence of ints
+    token_ids: Sequence[int] = field(default_factory=list)
     max_tokens: int = 0
     lora_name: str | None = None  # a LoRA adapter's name: seeds the block hashes (router/hashing.py)
     session_id: str | None = None  # a client's conversation id (x-session-id): read by session affinity

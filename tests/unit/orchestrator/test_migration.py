@@ -335,6 +335,13 @@ def test_continuation_bodies_exact():
     assert continuation_body("chat", {**chat, "return_token_ids": True}, [4], [8], "x", 1, 5, False)["return_token_ids"] is True
     # max_tokens unknown (the engine fills to the context): not set
     assert "max_tokens" not in continuation_body("completions", {**body, "max_tokens": None}, [1], [2], "", 1, None, False)
+    # a long prompt's ids come as a uint32 array (orchestrator/token_cache.py): the body holds a list, written as JSON
+    from array import array
+
+    from orchestrator.json_input import dump_json
+    out = continuation_body("chat", chat, array("I", [4, 70000]), [8], "x", 1, 5, True)
+    assert out["prompt"] == [4, 70000, 8] and type(out["prompt"]) is list
+    assert b'"prompt":[4,70000,8]' in dump_json(out)
 
 
 def test_tracker_and_rewriter():

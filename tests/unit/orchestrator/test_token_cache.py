@@ -17,6 +17,12 @@ def tok():
     return load_tokenizer(str(SIM_TOKENIZER_DIR))
 
 
+def _listed(result):
+    """count_or_ids' (count, ids) with the ids as a list (the chunked path gives a uint32 array)."""
+    n, ids = result
+    return n, (None if ids is None else list(ids))
+
+
 def whole(tok, text: str, add_special_tokens: bool = False) -> list[int]:
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
@@ -95,12 +101,12 @@ def test_chunked_ids_equal_whole_text_ids_on_tricky_text(tok, seed, chunk):
     text = _self_test_text(rng, 2500)
     want = whole(tok, text)
     for _ in range(2):  # cold, then from the cache
-        assert cached.count_or_ids(text, 1 << 30, add_special_tokens=False) == (len(want), want)
+        assert _listed(cached.count_or_ids(text, 1 << 30, add_special_tokens=False)) == (len(want), want)
     # every prefix length class: a text cut anywhere, continued with anything
     for end in rng.sample(range(1, len(text)), 40):
         t2 = text[:end] + _self_test_text(rng, 30)
         w2 = whole(tok, t2)
-        assert cached.count_or_ids(t2, 1 << 30, add_special_tokens=False) == (len(w2), w2)
+        assert _listed(cached.count_or_ids(t2, 1 << 30, add_special_tokens=False)) == (len(w2), w2)
     assert cached.hits > 0
 
 
@@ -114,7 +120,7 @@ def test_a_growing_conversation_is_exact_and_mostly_cached(tok):
         text = tok.render_chat(msgs)
         want = tok.encode_chat(msgs)
         before = cached.misses
-        assert cached.count_or_ids(text, 1 << 30, add_special_tokens=False) == (len(want), want)
+        assert _listed(cached.count_or_ids(text, 1 << 30, add_special_tokens=False)) == (len(want), want)
         if turn:
             assert cached.misses - before <= 8  # only the new turn's chunks (and the last one) were tokenized
         msgs = msgs + [{"role": "assistant", "content": para(60)}, {"role": "user", "content": para(80)}]
@@ -126,7 +132,7 @@ def test_limit_and_special_tokens_match_the_tokenizer(tok):
     n = len(whole(tok, text))
     assert cached.count_or_ids(text, n - 1, add_special_tokens=False) == (n, None)
     assert cached._tokens == 0 and not cached._lru  # a refused prompt leaves nothing in the cache
-    assert cached.count_or_ids(text, n, add_special_tokens=True) == tok.count_or_ids(text, n, add_special_tokens=True)
+    assert _listed(cached.count_or_ids(text, n, add_special_tokens=True)) == tok.count_or_ids(text, n, add_special_tokens=True)
 
 
 def test_the_cache_is_bounded_and_can_be_off(tok):
@@ -135,14 +141,14 @@ def test_the_cache_is_bounded_and_can_be_off(tok):
     for _ in range(5):
         text = _self_test_text(rng, 2000)
         want = whole(tok, text)
-        assert cached.count_or_ids(text, 1 << 30, add_special_tokens=False)[1] == want
+        assert list(cached.count_or_ids(text, 1 << 30, add_special_tokens=False)[1]) == want
         assert cached._tokens <= 2_000
     before = cached.hits + cached.misses
     huge = "ab\ncd " * (200_000)  # past MAX_CHUNKED_CHARS: tokenized whole, nothing cached
     assert len(huge) > 1 << 20
     assert cached.count_or_ids(huge, 1 << 30, add_special_tokens=False)[0] == len(whole(tok, huge)) and cached.hits + cached.misses == before
     off = ChunkedTokenizer(tok, 0)
-    assert not off.enabled and off.count_or_ids("a\nb" * 2000, 1 << 30, add_special_tokens=False)[1] == whole(tok, "a\nb" * 2000)
+    assert not off.enabled and list(off.count_or_ids("a\nb" * 2000, 1 << 30, add_special_tokens=False)[1]) == whole(tok, "a\nb" * 2000)
 
 
 async def test_long_chat_prompts_through_the_preparer_are_exact(tok):
@@ -160,7 +166,7 @@ async def test_long_chat_prompts_through_the_preparer_are_exact(tok):
         for _ in range(3):
             req = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
             ids = (await prep.prompt_ids(req, "m", 1 << 20)).ids
-            assert ids == tok.encode_chat(msgs)
+            assert list(ids) == tok.encode_chat(msgs)
             msgs = msgs + [{"role": "assistant", "content": _self_test_text(rng, 50)}, {"role": "user", "content": "and?"}]
         assert prep.chunked(tok).hits > 0
     finally:
@@ -208,21 +214,21 @@ def test_lazy_begin_tokenizes_the_first_new_chunk_and_the_rest_on_its_second_sig
     assert cached.chunkable(text, False)
     p = cached.begin(text, False)
     assert len(p.chunks) > 4 and p.done == 1 and not p.complete  # never seen: its first chunk only
-    assert p.ids == want[:len(p.ids)] and p.ids  # exactly the whole text's first tokens
+    assert list(p.ids) == want[:len(p.ids)] and p.ids  # exactly the whole text's first tokens
     assert len(want) <= p.upper and p.estimate() <= p.upper
     assert 0.5 < p.estimate() / len(want) < 2
     cached.extend(p, 2)
-    assert p.done == 3 and p.ids == want[:len(p.ids)]
+    assert p.done == 3 and list(p.ids) == want[:len(p.ids)]
     cached.extend(p, 1000)
-    assert p.complete and p.ids == want and p.estimate() == len(want)
+    assert p.complete and list(p.ids) == want and p.estimate() == len(want)
     again = cached.begin(text, False)  # every chunk seen (or cached) before: all of it, as a copy sent meanwhile needs
-    assert again.complete and again.ids == want
+    assert again.complete and list(again.ids) == want
     longer = text + "\nanother question about it"
     p2 = cached.begin(longer, False)  # the shared chunks and one more (where the new text starts)
-    assert p2.complete and p2.ids == whole(tok, longer)
+    assert p2.complete and list(p2.ids) == whole(tok, longer)
     turn = longer + "\n" + _self_test_text(rng, 700)  # a new turn of ~3 chunks: at once, not in another step
     p3 = cached.begin(turn, False)
-    assert p3.complete and p3.ids == whole(tok, turn)
+    assert p3.complete and list(p3.ids) == whole(tok, turn)
     fresh = _self_test_text(rng, 600) + "\n" + text  # new text first: a prompt nobody sent, so its first chunk only
     assert cached.begin(fresh, False).done == 1
 
@@ -231,7 +237,7 @@ def test_lazy_first_zero_tokenizes_nothing_and_bounds_the_count(tok):
     text = "naïve café 中文 😀 words\n" * 400
     cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
     p = cached.begin(text, False, first=0)
-    assert p.ids == [] and p.done == 0 and not p.complete
+    assert list(p.ids) == [] and p.done == 0 and not p.complete
     n = len(whole(tok, text))
     assert n <= p.upper == len(text.encode())  # no normalizer: a token covers at least one byte
     assert p.estimate() <= p.upper
@@ -274,14 +280,14 @@ async def test_the_preparer_goes_on_while_the_probe_matches_and_completes_on_dem
             return len(ids) < 1000
 
         p = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: probe)
-        assert not p.complete and p.ids == want[:len(p.ids)] and len(p.ids) >= 1000 and seen[-1] == len(p.ids)
+        assert not p.complete and list(p.ids) == want[:len(p.ids)] and len(p.ids) >= 1000 and seen[-1] == len(p.ids)
         assert len(seen) >= 2 and seen == sorted(seen)  # asked again after each step
         assert p.obtainable and 0.5 < p.count / len(want) < 2 and len(want) <= p.partial.upper
-        assert await prep.complete(p) == want and p.complete and p.count == len(want)
+        assert list(await prep.complete(p)) == want and p.complete and p.count == len(want)
         none = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: None)  # no index: no ids at all
-        assert none.ids == [] and not none.complete and none.obtainable
+        assert list(none.ids) == [] and not none.complete and none.obtainable
         eager = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: EAGER)
-        assert eager.complete and eager.ids == want
+        assert eager.complete and list(eager.ids) == want
     finally:
         prep.close()
 
@@ -295,7 +301,7 @@ async def test_a_lazy_prompt_near_a_limit_is_counted_exactly(tok):
     try:
         ctx = len(want) + 10  # fits, but under the byte bound: counted exactly
         p = await prep.prompt_ids(req, "m", ctx, how_far=lambda: lambda ids: False)
-        assert p.complete and p.ids == want and p.count == len(want)
+        assert p.complete and list(p.ids) == want and p.count == len(want)
         with pytest.raises(ContextLengthError):
             await prep.prompt_ids(req, "m", len(want) - 1, how_far=lambda: lambda ids: False)
         assert (await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: lambda ids: False)).complete  # every chunk cached now
@@ -343,7 +349,7 @@ async def test_a_conversation_counted_once_is_not_counted_again_for_a_limit(tok)
         msgs2 = msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}]
         second = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs2})
         p2 = await prep.prompt_ids(second, "m", ctx, how_far=lambda: None)
-        assert not p2.complete and p2.ids == []  # its history's chunks bound it under ctx: nothing tokenized
+        assert not p2.complete and list(p2.ids) == []  # its history's chunks bound it under ctx: nothing tokenized
         assert len(tok.encode_chat(msgs2)) <= p2.partial.upper
     finally:
         prep.close()
