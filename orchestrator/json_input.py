@@ -47,10 +47,11 @@ _fast_encode = msgspec.json.encode
 def dump_json(value: Any) -> bytes:
     """A body for an engine, as bytes: what `json.dumps(value).encode()` gives, in meaning.
 
-    msgspec writes it ~5x faster (an 85 KB chat body: ~26 against ~136 us; a continuation's list of 20k prompt ids
-    likewise), compact and in UTF-8 rather than \\u-escaped, which every JSON parser reads the same. It writes NaN
-    and the infinities as null, where `json` writes NaN / Infinity (a body `json.loads` accepted may hold them):
-    any output with a null in it is written again by `json`, as is anything msgspec cannot encode."""
+    msgspec writes it several times faster than `json` (a long chat body is ~100 KB, a continuation's prompt a list
+    of ~20k ids; the long multi-turn workload of benchmarks/frontend_cpu.py spent 0.93-0.98x the CPU a request with
+    it, docs/benchmarks.md), compact and in UTF-8 rather than \\u-escaped, which every JSON parser reads the same.
+    It writes NaN and the infinities as null, where `json` writes NaN / Infinity (a body `json.loads` accepted may
+    hold them): any output with a null in it is written again by `json`, as is anything msgspec cannot encode."""
     try:
         out = _fast_encode(value)
     except (TypeError, ValueError, OverflowError):

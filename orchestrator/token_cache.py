@@ -333,9 +333,10 @@ class ChunkedTokenizer:
     def _join(self, found: list[array | None], missing: list[str], lists: list[list[int]]) -> array:
         """The chunks' ids end to end, as one uint32 array; the new chunks' ids are cached.
 
-        An array, not a list: a long prompt's ~20k ids as Python ints cost ~180 us to build and free (against ~3 us
-        to copy the cached arrays), and everything that reads them takes either (the router hashes a uint32 buffer
-        as it is; a continuation prompt is made a list)."""
+        An array, not a list: a long prompt's ~20k ids as Python ints are ~20k objects to make, count for the garbage
+        collector and free, where the array copies the cached ones; everything that reads them takes either (the
+        router hashes a uint32 buffer as it is; a continuation prompt is made a list). The long multi-turn workload of
+        benchmarks/frontend_cpu.py spent 0.77-0.89x the CPU a request with it (docs/benchmarks.md)."""
         new = [array("I", ids) for ids in lists]
         it = iter(new)
         parts = [ids if ids is not None else next(it) for ids in found]

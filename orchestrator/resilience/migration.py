@@ -160,8 +160,9 @@ def without_prompt_ids(ev: bytes) -> bytes:
     """`ev` with each `"prompt_token_ids":[...]` written `"prompt_token_ids":null`.
 
     With `return_token_ids` (which the frontend asks for, for the generated ids) vLLM puts the whole prompt's ids on
-    the role chunk: ~125 KB for an 18k-token prompt, which a tracker would hold and decode (~95 us) for a field no
-    migration reads (the frontend has the prompt's ids itself). The pattern cannot occur inside a JSON string (its
+    the role chunk: ~125 KB for an 18k-token prompt, past PENDING_BYTES, so a tracker decoded it at once, for a field
+    no migration reads (the frontend has the prompt's ids itself). Cut, the long multi-turn workload of
+    benchmarks/frontend_cpu.py spent 0.96-0.99x the CPU a request (docs/benchmarks.md). The pattern cannot occur inside a JSON string (its
     quotes would be escaped there) and the array holds only ints, so its first `]` ends it."""
     i = ev.find(_PROMPT_IDS)
     if i < 0:
