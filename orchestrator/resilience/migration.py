@@ -162,20 +162,25 @@ def without_prompt_ids(ev: bytes) -> bytes:
     With `return_token_ids` (which the frontend asks for, for the generated ids) vLLM puts the whole prompt's ids on
     the role chunk: ~125 KB for an 18k-token prompt, past PENDING_BYTES, so a tracker decoded it at once, for a field
     no migration reads (the frontend has the prompt's ids itself). Cut, the long multi-turn workload of
-    benchmarks/frontend_cpu.py spent 0.96-0.99x the CPU a request (docs/benchmarks.md). The pattern cannot occur inside a JSON string (its
-    quotes would be escaped there) and the array holds only ints, so its first `]` ends it."""
-    i = ev.find(_PROMPT_IDS)
+    benchmarks/frontend_cpu.py spent 0.96-0.99x the CPU a request (docs/benchmarks.md)."""
+    return _null_arrays(ev, _PROMPT_IDS)
+
+
+def _null_arrays(ev: bytes, opener: bytes) -> bytes:
+    """Each int array that `opener` (a key, its colon and `[`) opens, written null. The key's quotes cannot occur
+    inside a JSON string (they would be escaped there) and the arrays hold only ints, so the first `]` ends each."""
+    i = ev.find(opener)
     if i < 0:
         return ev
-    out, start = [], 0
+    out, start, keep = [], 0, len(opener) - 1  # up to and including the key's colon
     while i >= 0:
         j = ev.find(b"]", i)
         if j < 0:
             break
-        out.append(ev[start : i + len(_PROMPT_IDS) - 1])  # up to and including `"prompt_token_ids":`
+        out.append(ev[start : i + keep])
         out.append(b"null")
         start = j + 1
-        i = ev.find(_PROMPT_IDS, start)
+        i = ev.find(opener, start)
     out.append(ev[start:])
     return b"".join(out)
 
@@ -331,20 +336,7 @@ _IDS_OPEN = b'token_ids":['
 def strip_token_ids(ev: bytes) -> bytes:
     """Hide the token ids the frontend asked the engine for (vLLM's default output shows null):
     every `..token_ids":[1,2]` (token_ids, prompt_token_ids) becomes `..token_ids":null`."""
-    i = ev.find(_IDS_OPEN)
-    if i < 0:
-        return ev
-    out, start = [], 0
-    while i >= 0:
-        j = ev.find(b"]", i)
-        if j < 0:
-            break
-        out.append(ev[start : i + 11])  # up to and including `token_ids":`
-        out.append(b"null")
-        start = j + 1
-        i = ev.find(_IDS_OPEN, start)
-    out.append(ev[start:])
-    return b"".join(out)
+    return _null_arrays(ev, _IDS_OPEN)
 
 
 def _dumps(obj: Any) -> bytes:
