@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/kv_ingest.py --baseline /tmp/base [--rounds 3]
 
 One ZeroMQ PUB socket in this process publishes KV event batches in vLLM's wire format ([topic, seq, payload],
-workers/vllm/kv_events.py). Two child processes subscribe to it at once, each a KvEventIngestor (router/events.py)
+workers/vllm/kv_events.py), or SGLang's with --format sglang. Two child processes subscribe to it at once, each a KvEventIngestor (router/events.py)
 feeding a KvIndex, as a frontend runs them: `new` on this tree and `base` on the tree at --baseline. Both read the
 same batches at the same moments, so the machine's noise falls on both; each child's CPU (utime + stime, all
 threads, /proc) is read around the publishing, and each child reports how many batches it applied (a run where
@@ -49,7 +49,7 @@ from workers.types import WorkerInfo
 async def main(endpoint):
     index = KvIndex()
     ing = KvEventIngestor(index)
-    ing.sync([WorkerInfo(worker_id="w0", model="m", backend="vllm", url="http://127.0.0.1:9", block_size=16,
+    ing.sync([WorkerInfo(worker_id="w0", model="m", backend=sys.argv[2], url="http://127.0.0.1:9", block_size=16,
                          kv_events_endpoint=endpoint, kv_events_topic="kv-events")])
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -67,18 +67,21 @@ except ImportError:
 """
 
 
-def child(tree: Path, endpoint: str) -> subprocess.Popen:
+def child(tree: Path, endpoint: str, fmt: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    p = subprocess.Popen([sys.executable, "-c", CHILD, endpoint], cwd=str(tree), env=env, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", CHILD, endpoint, fmt], cwd=str(tree), env=env, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready", f"the ingestor of {tree} did not start"
     return p
 
 
-def batches(workload: str, n: int, rng: random.Random):
+def batches(workload: str, n: int, rng: random.Random, fmt: str = "vllm"):
     """n payloads: each stores `blocks` new blocks. `evict`: each also evicts the batch stored 16 before, one
     BlockRemoved a block; otherwise every 16th removes the 16 batches stored before those in one event."""
+    import importlib
+
     from router.kv_events import BlockRemoved, BlockStored
-    from workers.vllm.kv_events import encode_batch
+
+    encode_batch = importlib.import_module(f"workers.{fmt}.kv_events").encode_batch
 
     blocks = WORKLOADS[workload][0]
     out, stored = [], []
@@ -96,18 +99,18 @@ def batches(workload: str, n: int, rng: random.Random):
     return out
 
 
-def run_round(trees: dict[str, Path], workload: str, n: int, rng: random.Random) -> dict:
+def run_round(trees: dict[str, Path], workload: str, n: int, rng: random.Random, fmt: str = "vllm") -> dict:
     import zmq
 
     blocks, rate = WORKLOADS[workload]
-    payloads = batches(workload, n, rng)
+    payloads = batches(workload, n, rng, fmt)
     with tempfile.TemporaryDirectory() as tmp:
         endpoint = f"ipc://{tmp}/kv.sock"
         ctx = zmq.Context()
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 0)
         pub.bind(endpoint)
-        kids = {name: child(tree, endpoint) for name, tree in trees.items()}
+        kids = {name: child(tree, endpoint, fmt) for name, tree in trees.items()}
         time.sleep(1.0)  # the subscriptions reach the publisher (ZeroMQ's slow joiner)
         before = {name: cpu_seconds(p.pid) for name, p in kids.items()}
         t0 = time.perf_counter()
@@ -140,6 +143,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=10.0, help="publishing time per workload and round")
     ap.add_argument("--workloads", default="short,long,evict")
+    ap.add_argument("--format", choices=["vllm", "sglang"], default="vllm",
+                    help="the engine's wire format (workers/<format>/kv_events.py), as the ingestor reads it")
     ap.add_argument("--out", default="kv_ingest")
     args = ap.parse_args()
     from benchmarks.common import result_header
@@ -151,7 +156,7 @@ def main() -> None:
         for wl in args.workloads.split(","):
             blocks, rate = WORKLOADS[wl]
             order = dict(reversed(list(trees.items()))) if r % 2 else trees  # which child starts first, alternated
-            row = run_round(order, wl, int(rate * args.seconds), rng)
+            row = run_round(order, wl, int(rate * args.seconds), rng, args.format)
             row["round"] = r
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -166,7 +171,8 @@ def main() -> None:
             "ratios": [round(x["new"]["cpu_s"] / x["base"]["cpu_s"], 3) for x in rs if x["base"]["cpu_s"]],
         }
     cmd = f"benchmarks/kv_ingest.py --baseline {args.baseline} --rounds {args.rounds} --seconds {args.seconds:g}" + (
-        f" --workloads {args.workloads}" if args.workloads != "short,long,evict" else "")
+        f" --workloads {args.workloads}" if args.workloads != "short,long,evict" else "") + (
+        f" --format {args.format}" if args.format != "vllm" else "")
     result = {**result_header("kv_ingest"), "command": cmd, "rows": rows, "summary": summary}
     result["loadavg"]["end"] = round(os.getloadavg()[0], 2)
     RESULTS.mkdir(exist_ok=True)

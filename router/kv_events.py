@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KvEventBatch", "KvEventDecodeError"]
+import msgspec
+
+__all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KvEventBatch", "KvEventDecodeError",
+           "token_ids_of"]
 
 
 class KvEventDecodeError(ValueError):
@@ -20,8 +23,8 @@ class KvEventDecodeError(ValueError):
 class BlockStored:
     block_hashes: list[int]
     parent_block_hash: int | None
-    # a list of ints, or (vLLM's decode_payload with packed_ids=True: the KV-event reader's) a memoryview of native
-    # uint32, which the index's hashing reads without an int object per token
+    # a list of ints, or (a codec's decode_payload with packed_ids=True: the KV-event reader's) a memoryview of
+    # native uint32, which the index's hashing reads without an int object per token (token_ids_of)
     token_ids: list[int] | memoryview
     block_size: int
     lora_name: str | None = None
@@ -51,3 +54,22 @@ class KvEventBatch:
     ts: float
     events: list[KvEvent] = field(default_factory=list)
     dp_rank: int | None = None
+
+
+_ids_decoder = msgspec.msgpack.Decoder(list[int])
+try:
+    from router._kvcore import msgpack_u32 as _msgpack_u32
+except ImportError:  # not built: decoded to a list (router/hashing.py warns once that the extension is missing)
+    _msgpack_u32 = None
+
+
+def token_ids_of(raw: msgspec.Raw, packed: bool) -> list[int] | memoryview:
+    """A BlockStored's token ids, kept as msgpack by a codec's typed decoder (vLLM's, SGLang's): with `packed`, a
+    memoryview of native uint32 (when all are in [0, 2^32)), read in C; else, or past that range, a list of ints.
+    Raises msgspec.ValidationError (or DecodeError) when they are not an array of ints: the codec's generic path then
+    decides, and explains."""
+    if packed and _msgpack_u32 is not None:
+        buf = _msgpack_u32(raw)
+        if buf is not None:
+            return memoryview(buf).cast("I")
+    return _ids_decoder.decode(raw)  # out-of-range ids stay ints: the index refuses them (BlockHashError)

@@ -87,6 +87,11 @@ def test_events_built_with_sglang_structs_decode() -> None:
     assert (s1.token_ids, s1.block_size, s1.medium) == (list(range(32)), 16, "GPU")
     assert s2.block_hashes == [(-(2**63)) & U64] and s2.parent_block_hash == 2**62
     assert (s2.medium, s2.lora_name) == ("CPU_PINNED", "ad")
+    packed = decode_payload(first, seq=7, packed_ids=True)  # as the KV-event reader asks: uint32 buffers, same ids
+    for got, want in zip(packed.events, a.events):
+        assert isinstance(got.token_ids, memoryview) and list(got.token_ids) == list(want.token_ids)
+        assert (got.block_hashes, got.parent_block_hash, got.medium, got.lora_name) == \
+            (want.block_hashes, want.parent_block_hash, want.medium, want.lora_name)
     b = decode_payload(second, seq=8)
     assert b.dp_rank is None and isinstance(b.events[0], BlockRemoved) and b.events[0].block_hashes == [-5 & U64]
     assert isinstance(b.events[1], AllBlocksCleared)

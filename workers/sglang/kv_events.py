@@ -24,7 +24,8 @@ from typing import Any
 
 import msgspec
 
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError
+from router.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError,
+                               token_ids_of)
 
 __all__ = ["END_SEQ", "decode_payload", "decode_pub_frames", "decode_replay_frames", "encode_batch"]
 
@@ -85,7 +86,7 @@ def _event(raw: Any) -> KvEvent | None:
 class _Stored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: msgspec.Raw  # kept as msgpack: read by token_ids_of (packed for the reader, else a list)
     block_size: int
     medium: str | None = None
     lora_name: str | None = None
@@ -109,7 +110,7 @@ class _Batch(msgspec.Struct, array_like=True, gc=False):
 _typed = msgspec.msgpack.Decoder(_Batch)
 
 
-def _fast(payload: bytes, seq: int) -> KvEventBatch | None:
+def _fast(payload: bytes, seq: int, packed: bool) -> KvEventBatch | None:
     """The common shape (0.5.23 maps, known types) decoded and type-checked in C; None otherwise."""
     try:
         b = _typed.decode(payload)
@@ -120,8 +121,12 @@ def _fast(payload: bytes, seq: int) -> KvEventBatch | None:
         if type(e) is _Stored:
             if e.block_size <= 0:
                 return None
+            try:
+                ids = token_ids_of(e.token_ids, packed)
+            except (msgspec.DecodeError, ValueError, TypeError, RecursionError):  # not an array of ints
+                return None
             p = e.parent_block_hash
-            out.append(BlockStored([h & _U64 for h in e.block_hashes], None if p is None else p & _U64, e.token_ids, e.block_size,
+            out.append(BlockStored([h & _U64 for h in e.block_hashes], None if p is None else p & _U64, ids, e.block_size,
                                    lora_name=e.lora_name, medium=e.medium))
         elif type(e) is _Removed:
             out.append(BlockRemoved([h & _U64 for h in e.block_hashes], medium=e.medium))
@@ -130,9 +135,12 @@ def _fast(payload: bytes, seq: int) -> KvEventBatch | None:
     return KvEventBatch(seq=seq, ts=b.ts, events=out, dp_rank=b.dp_rank)
 
 
-def decode_payload(payload: bytes, seq: int = 0) -> KvEventBatch:
-    """One [ts, events, attn_dp_rank] payload. Raises KvEventDecodeError on anything malformed."""
-    fast = _fast(payload, seq)
+def decode_payload(payload: bytes, seq: int = 0, packed_ids: bool = False) -> KvEventBatch:
+    """One [ts, events, attn_dp_rank] payload. Raises KvEventDecodeError on anything malformed.
+
+    `packed_ids`: a BlockStored's token ids as a memoryview of native uint32 where they fit (the KV-event reader,
+    router/events.py: no int object per token); otherwise, and always on the generic path, a list of ints."""
+    fast = _fast(payload, seq, packed_ids)
     if fast is not None:
         return fast
     try:

@@ -23,7 +23,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from router.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError
+from router.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError,
+                               token_ids_of)
 
 __all__ = [
     "END_SEQ",
@@ -244,22 +245,7 @@ class _RBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 _typed_decoder = msgspec.msgpack.Decoder(_RBatch)
-_ids_decoder = msgspec.msgpack.Decoder(list[int])
-
-try:  # a stored batch of a long prompt's chunk carries ~1,000 token ids: read in C, without an int object each
-    from router._kvcore import msgpack_u32 as _msgpack_u32
-except ImportError:  # not built: decoded to a list (router/hashing.py warns once that the extension is missing)
-    _msgpack_u32 = None
-
-
-def _token_ids(raw: msgspec.Raw, packed: bool) -> list[int] | memoryview:
-    """The ids of a BlockStored: with `packed`, a memoryview of native uint32 (when all are in [0, 2^32)); else a list.
-    Raises msgspec.ValidationError when they are not all ints (the generic path then explains)."""
-    if packed and _msgpack_u32 is not None:
-        buf = _msgpack_u32(raw)
-        if buf is not None:
-            return memoryview(buf).cast("I")
-    return _ids_decoder.decode(raw)  # out-of-range ids stay ints: the index refuses them (BlockHashError)
+_token_ids = token_ids_of  # the ids of a BlockStored: packed (the reader) or a list
 
 
 def _u64(hashes: list[int]) -> list[int]:

@@ -15,6 +15,8 @@ from router import KvEventRejected, KvIndex
 from router.events import KvEventIngestor, _Source
 from router.kv_events import BlockRemoved, BlockStored, KvEventDecodeError
 from workers.types import WorkerInfo
+from workers.sglang import kv_events as sglang_codec
+from workers.vllm import kv_events as vllm_codec
 from workers.vllm.kv_events import decode_payload, encode_batch
 
 from .test_kv_fuzz import event_maps, values
@@ -74,7 +76,10 @@ def test_arbitrary_bytes_never_crash_and_agree_with_msgspec(raw):
         assert out is not None and ints_of(out) == expected
 
 
-def _batches(rng: random.Random, n: int) -> list[bytes]:
+CODECS = {"vllm": vllm_codec, "sglang": sglang_codec}  # both decode packed ids from their typed path
+
+
+def _batches(rng: random.Random, n: int, encode=encode_batch) -> list[bytes]:
     out, stored = [], []
     for i in range(n):
         blocks = rng.randint(1, 6)
@@ -87,18 +92,20 @@ def _batches(rng: random.Random, n: int) -> list[bytes]:
         if stored and rng.random() < 0.3:
             events.append(BlockRemoved(rng.sample(stored, k=min(3, len(stored)))))
         stored += hashes
-        out.append(encode_batch(float(i), events))
+        out.append(encode(float(i), events))
     return out
 
 
+@pytest.mark.parametrize("codec", list(CODECS))
 @pytest.mark.parametrize("seed", range(20))
-def test_packed_and_listed_ids_build_the_same_index(seed):
+def test_packed_and_listed_ids_build_the_same_index(seed, codec):
+    mod = CODECS[codec]
     indexes, outcomes = [], []
     for packed in (False, True):
         index, seen = KvIndex(), []
         index.add_worker("w", block_size=4)
-        for payload in _batches(random.Random(seed), 40):
-            batch = decode_payload(payload, packed_ids=packed)
+        for payload in _batches(random.Random(seed), 40, mod.encode_batch):
+            batch = mod.decode_payload(payload, packed_ids=packed)
             for ev in batch.events:
                 try:
                     seen.append(index.apply("w", ev))
@@ -112,13 +119,15 @@ def test_packed_and_listed_ids_build_the_same_index(seed):
         indexes[1].find_matches(list(indexes[1]._workers["w"].blocks.values()))
 
 
-def test_ids_are_packed_only_where_they_fit():
-    ok = decode_payload(encode_batch(0.0, [BlockStored([1], None, [0, 5, 2**32 - 1, 70000], 4)]), packed_ids=True)
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_ids_are_packed_only_where_they_fit(codec):
+    mod = CODECS[codec]
+    ok = mod.decode_payload(mod.encode_batch(0.0, [BlockStored([1], None, [0, 5, 2**32 - 1, 70000], 4)]), packed_ids=True)
     ids = ok.events[0].token_ids
     assert isinstance(ids, memoryview) and ids.format == "I" and list(ids) == [0, 5, 2**32 - 1, 70000]
-    big = decode_payload(encode_batch(0.0, [BlockStored([1], None, [0, 5, 2**32, 1], 4)]), packed_ids=True)
+    big = mod.decode_payload(mod.encode_batch(0.0, [BlockStored([1], None, [0, 5, 2**32, 1], 4)]), packed_ids=True)
     assert big.events[0].token_ids == [0, 5, 2**32, 1]  # a list, which the index refuses as before
-    listed = decode_payload(encode_batch(0.0, [BlockStored([1], None, [0, 5, 6, 7], 4)]))
+    listed = mod.decode_payload(mod.encode_batch(0.0, [BlockStored([1], None, [0, 5, 6, 7], 4)]))
     assert listed.events[0].token_ids == [0, 5, 6, 7]
 
 
@@ -126,17 +135,22 @@ def test_ids_are_packed_only_where_they_fit():
 @given(st.lists(event_maps | values, max_size=3))
 def test_the_packed_decoder_only_raises_decode_error_and_agrees_on_refusals(events):
     payload = msgspec.msgpack.encode([1.0, events])
+    for mod in CODECS.values():
+        _agree_on(mod, payload)
+
+
+def _agree_on(mod, payload: bytes) -> None:
     results = []
     for packed in (False, True):
         try:
-            batch = decode_payload(payload, packed_ids=packed)
+            batch = mod.decode_payload(payload, packed_ids=packed)
             results.append([(type(e).__name__, list(getattr(e, "token_ids", []))) for e in batch.events])
         except KvEventDecodeError:
             results.append("refused")
     assert results[0] == results[1]
 
 
-def test_the_reader_asks_vllm_for_packed_ids_and_others_for_lists(tmp_path):
+def test_the_reader_asks_vllm_and_sglang_for_packed_ids(tmp_path):
     ing = KvEventIngestor(KvIndex())
 
     def source(backend: str) -> _Source:
@@ -149,4 +163,4 @@ def test_the_reader_asks_vllm_for_packed_ids_and_others_for_lists(tmp_path):
     from workers.sglang.kv_events import encode_batch as sglang_encode
 
     sg = source("sglang").decode(3, sglang_encode(0.0, [BlockStored([1], None, [1, 2, 3, 4], 4)]))
-    assert sg.events[0].token_ids == [1, 2, 3, 4]
+    assert isinstance(sg.events[0].token_ids, memoryview) and list(sg.events[0].token_ids) == [1, 2, 3, 4]
