@@ -223,7 +223,7 @@ class _RStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
     block_hashes: list[int]
     block_size: _PositiveInt
     parent_block_hash: int | None = None
-    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # kept as msgpack: read by _token_ids (an empty array by default)
+    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # kept as msgpack: read by token_ids_of (an empty array by default)
     lora_name: str | None = None
     medium: str | None = None
     extra_keys: list[Any] | None = None
@@ -245,7 +245,6 @@ class _RBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 _typed_decoder = msgspec.msgpack.Decoder(_RBatch)
-_token_ids = token_ids_of  # the ids of a BlockStored: packed (the reader) or a list
 
 
 def _u64(hashes: list[int]) -> list[int]:
@@ -260,7 +259,7 @@ def _from_typed(batch: _RBatch, seq: int, packed: bool) -> KvEventBatch:
             parent = ev.parent_block_hash
             mm = decode_mm_keys(ev.extra_keys, len(ev.block_hashes)) if ev.extra_keys and any(ev.extra_keys) else None
             out.append(BlockStored(_u64(ev.block_hashes), None if parent is None else parent & _U64,
-                                   _token_ids(ev.token_ids, packed), ev.block_size, ev.lora_name, ev.medium, mm))
+                                   token_ids_of(ev.token_ids, packed), ev.block_size, ev.lora_name, ev.medium, mm))
         elif type(ev) is _RRemoved:
             out.append(BlockRemoved(_u64(ev.block_hashes), ev.medium))
         else:
