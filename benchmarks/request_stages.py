@@ -115,18 +115,23 @@ def launch(out: str, argv: list[str]) -> None:
     wrap(engine_client._Conn, "on_headers_complete", "engine headers")
     wrap(engine_client._Conn, "on_body", "engine body")
     from orchestrator import direct_body
-    write = direct_body.DirectBody.write
 
-    def body_write(self, data):
-        r = write(self, data)
-        if cur["t0"] is not None:
-            mark("client write")
-            if b'"content"' in data:
-                mark("content to client")
-                done.append(cur["marks"])
-                cur["t0"] = None
-        return r
-    direct_body.DirectBody.write = body_write
+    def stamped(write):
+        def body_write(*a):
+            r = write(*a)
+            data = a[-1]
+            if cur["t0"] is not None:
+                mark("client write")
+                if b'"content"' in data:
+                    mark("content to client")
+                    done.append(cur["marks"])
+                    cur["t0"] = None
+            return r
+        return body_write
+    direct_body.DirectBody.write = stamped(direct_body.DirectBody.write)
+    writer = direct_body.DirectBody.writer
+    if direct_body.ChunkWriter is not None:  # the token path's writer is C: stamp around it (else it is write)
+        direct_body.DirectBody.writer = lambda self: stamped(writer(self))
 
     def dump(*_) -> None:
         tmp = Path(out + ".part")

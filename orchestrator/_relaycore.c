@@ -11,6 +11,7 @@
  *       feed(chunk: bytes) -> bytes   the complete events of what arrived, each followed by a blank line; b"" when
  *                                     none is complete yet (the rest waits for the next chunk)
  *       flush()                       hands on any gaps counted but not yet reported (gap_bounds mode)
+ *       pipe(write, chunk)            write(feed(chunk)) when that is not empty (the read callback's whole step)
  *
  *   Per event (events end at a blank line, b"\n\n"; empty ones are skipped):
  *     "data: [DONE]"                  stats.done = True; forwarded if forward_done
@@ -29,9 +30,15 @@
  *   gaps and by flush(); without, on_gap(gap) is called per gap.
  *   When the output is exactly the chunk (events forwarded unchanged, nothing held back) the chunk object itself is
  *   returned: no copy.
+ *
+ * Also here, for the same path (each with its Python twin, below): EventBuffer, the migration tracker's raw events,
+ * and ChunkWriter, the write of a piece onto the client's connection. With both, a relayed token runs no Python
+ * frame between the engine client's body callback and the client's socket.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>  /* PyMemberDef, T_PYSSIZET (Python 3.11) */
+#include <stddef.h>
 #include <string.h>
 #include <time.h>
 
@@ -193,23 +200,32 @@ is_usage_event(const char *ev, Py_ssize_t n)
         && (find_by(ev, n, "\"choices\":[]", 12, 11) != NULL || find_by(ev, n, "\"choices\": []", 13, 12) != NULL);
 }
 
-/* every `token_ids":[...]` -> `token_ids":null`, into out (migration.strip_token_ids, byte for byte) */
+/* every int array that `opener` (m bytes: a key's tail, its colon and `[`; byte k rare) opens, written null, into out
+   (migration._null_arrays, byte for byte): the key's quotes cannot occur inside a JSON string and the arrays hold only
+   ints, so the first `]` ends each */
 static int
-put_stripped(Buf *out, const char *ev, Py_ssize_t n)
+put_nulled(Buf *out, const char *ev, Py_ssize_t n, const char *opener, Py_ssize_t m, Py_ssize_t k)
 {
     Py_ssize_t start = 0;
-    const char *hit = find_ids(ev, n);
+    const char *hit = find_by(ev, n, opener, m, k);
     while (hit != NULL) {
         Py_ssize_t i = hit - ev;
         const char *close = memchr(ev + i, ']', (size_t)(n - i));
         if (close == NULL)
             break;
-        if (buf_put(out, ev + start, i + 11 - start) < 0 || buf_put(out, "null", 4) < 0)
+        if (buf_put(out, ev + start, i + m - 1 - start) < 0 || buf_put(out, "null", 4) < 0)
             return -1;
         start = (close - ev) + 1;
-        hit = start < n ? find_ids(ev + start, n - start) : NULL;
+        hit = start < n ? find_by(ev + start, n - start, opener, m, k) : NULL;
     }
     return buf_put(out, ev + start, n - start);
+}
+
+/* every `token_ids":[...]` -> `token_ids":null` (migration.strip_token_ids) */
+static inline int
+put_stripped(Buf *out, const char *ev, Py_ssize_t n)
+{
+    return put_nulled(out, ev, n, IDS_OPEN, 12, 11);
 }
 
 static int
@@ -453,6 +469,30 @@ Relay_feed(Relay *self, PyObject *chunk)
     return result;
 }
 
+/* pipe(write, chunk): write(feed(chunk)) when that is not empty: the read callback's whole step, with no Python frame
+   between the engine's bytes and the client's socket when `write` is a ChunkWriter */
+static PyObject *
+Relay_pipe(Relay *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "pipe() takes (write, chunk)");
+        return NULL;
+    }
+    PyObject *out = Relay_feed(self, args[1]);
+    if (out == NULL)
+        return NULL;
+    if (PyBytes_GET_SIZE(out) > 0) {
+        PyObject *r = PyObject_CallOneArg(args[0], out);
+        Py_DECREF(out);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    }
+    else
+        Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 Relay_flush(Relay *self, PyObject *Py_UNUSED(ignored))
 {
@@ -579,6 +619,7 @@ Relay_init(Relay *self, PyObject *args, PyObject *kw)
 static PyMethodDef Relay_methods[] = {
     {"feed", (PyCFunction)Relay_feed, METH_O, "feed(chunk) -> the complete events relayed now (bytes)"},
     {"flush", (PyCFunction)Relay_flush, METH_NOARGS, "hand on the gaps counted and not yet reported"},
+    {"pipe", (PyCFunction)(void (*)(void))Relay_pipe, METH_FASTCALL, "pipe(write, chunk): write(feed(chunk)) if not empty"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -596,6 +637,283 @@ static PyTypeObject RelayType = {
     .tp_methods = Relay_methods,
 };
 
+/* ---- EventBuffer: the migration tracker's raw events (orchestrator/resilience/migration.py) ---------------------
+
+   EventBuffer(limit, on_full, big=4096)
+       feed(ev: bytes)   keeps ev, with each `"prompt_token_ids":[...]` written null when ev is longer than `big`
+                         (migration.without_prompt_ids); once the bytes kept pass `limit`, calls on_full()
+       take() -> list    the events kept, oldest first; the buffer is then empty
+       len(buffer)       how many are kept; buffer.nbytes: their bytes
+   The Python twin is migration._EventBuffer; the tracker hands `feed` to the relay as its on_content, so a relayed
+   token costs no Python frame here. */
+
+static const char PROMPT_IDS_OPEN[] = "\"prompt_token_ids\":[";  /* 20 bytes; `[` (19) is the rare byte */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *events;  /* list[bytes] */
+    PyObject *on_full;
+    Py_ssize_t nbytes, limit, big;
+    Buf scratch;
+} EventBuffer;
+
+static PyObject *
+EventBuffer_feed(EventBuffer *self, PyObject *ev)
+{
+    if (!PyBytes_Check(ev)) {
+        PyErr_SetString(PyExc_TypeError, "feed() takes bytes");
+        return NULL;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(ev);
+    PyObject *kept;
+    if (n > self->big && find_by(PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) != NULL) {
+        self->scratch.len = 0;
+        if (put_nulled(&self->scratch, PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) < 0)
+            return NULL;
+        kept = PyBytes_FromStringAndSize(self->scratch.p, self->scratch.len);
+        PyMem_Free(self->scratch.p);  /* rare and large: not kept for the stream's life */
+        self->scratch.p = NULL;
+        self->scratch.cap = self->scratch.len = 0;
+        if (kept == NULL)
+            return NULL;
+    }
+    else {
+        Py_INCREF(ev);
+        kept = ev;
+    }
+    int rc = PyList_Append(self->events, kept);
+    self->nbytes += PyBytes_GET_SIZE(kept);
+    Py_DECREF(kept);
+    if (rc < 0)
+        return NULL;
+    if (self->nbytes > self->limit) {
+        PyObject *r = PyObject_CallNoArgs(self->on_full);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+EventBuffer_take(EventBuffer *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *fresh = PyList_New(0);
+    if (fresh == NULL)
+        return NULL;
+    PyObject *taken = self->events;
+    self->events = fresh;
+    self->nbytes = 0;
+    return taken;
+}
+
+static Py_ssize_t
+EventBuffer_len(EventBuffer *self)
+{
+    return PyList_GET_SIZE(self->events);
+}
+
+static int
+EventBuffer_init(EventBuffer *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"limit", "on_full", "big", NULL};
+    Py_ssize_t limit, big = 4096;
+    PyObject *on_full;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "nO|n", names, &limit, &on_full, &big))
+        return -1;
+    if (!PyCallable_Check(on_full)) {
+        PyErr_SetString(PyExc_TypeError, "on_full must be callable");
+        return -1;
+    }
+    PyObject *events = PyList_New(0);
+    if (events == NULL)
+        return -1;
+    Py_XSETREF(self->events, events);
+    Py_INCREF(on_full);
+    Py_XSETREF(self->on_full, on_full);
+    self->limit = limit;
+    self->big = big;
+    self->nbytes = 0;
+    return 0;
+}
+
+static int
+EventBuffer_traverse(EventBuffer *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->events);
+    Py_VISIT(self->on_full);
+    return 0;
+}
+
+static int
+EventBuffer_clear(EventBuffer *self)
+{
+    Py_CLEAR(self->events);
+    Py_CLEAR(self->on_full);
+    return 0;
+}
+
+static void
+EventBuffer_dealloc(EventBuffer *self)
+{
+    PyObject_GC_UnTrack(self);
+    EventBuffer_clear(self);
+    PyMem_Free(self->scratch.p);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef EventBuffer_methods[] = {
+    {"feed", (PyCFunction)EventBuffer_feed, METH_O, "keep one event (see the type's doc)"},
+    {"take", (PyCFunction)EventBuffer_take, METH_NOARGS, "the events kept, oldest first; empties the buffer"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef EventBuffer_members[] = {
+    {"nbytes", T_PYSSIZET, offsetof(EventBuffer, nbytes), READONLY, "bytes kept"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PySequenceMethods EventBuffer_as_sequence = {.sq_length = (lenfunc)EventBuffer_len};
+
+static PyTypeObject EventBufferType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "orchestrator._relaycore.EventBuffer",
+    .tp_basicsize = sizeof(EventBuffer),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The migration tracker's raw events (orchestrator/resilience/migration.py's _EventBuffer, in C).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)EventBuffer_init,
+    .tp_dealloc = (destructor)EventBuffer_dealloc,
+    .tp_traverse = (traverseproc)EventBuffer_traverse,
+    .tp_clear = (inquiry)EventBuffer_clear,
+    .tp_methods = EventBuffer_methods,
+    .tp_members = EventBuffer_members,
+    .tp_as_sequence = &EventBuffer_as_sequence,
+};
+
+/* ---- ChunkWriter: a streamed body's piece onto the client's connection (orchestrator/direct_body.py) -------------
+
+   ChunkWriter(transport, cycle)(data: bytes)
+       unless data is empty, cycle.disconnected is true or transport.is_closing(): transport.write() of data framed
+       as one HTTP/1.1 chunk, b"%x\r\n%b\r\n" % (len(data), data): DirectBody.write, byte for byte. */
+
+static PyObject *s_disconnected, *s_write, *s_is_closing;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *cycle, *write, *is_closing;
+} ChunkWriter;
+
+static PyObject *
+ChunkWriter_call(ChunkWriter *self, PyObject *args, PyObject *kw)
+{
+    PyObject *data;
+    if (kw != NULL && PyDict_GET_SIZE(kw) != 0) {
+        PyErr_SetString(PyExc_TypeError, "ChunkWriter takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "ChunkWriter", 1, 1, &data))
+        return NULL;
+    if (!PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "ChunkWriter takes bytes");
+        return NULL;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(data);
+    if (n == 0)
+        Py_RETURN_NONE;
+    PyObject *gone = PyObject_GetAttr(self->cycle, s_disconnected);
+    if (gone == NULL)
+        return NULL;
+    int is_gone = PyObject_IsTrue(gone);
+    Py_DECREF(gone);
+    if (is_gone != 0)
+        return is_gone < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *closing = PyObject_CallNoArgs(self->is_closing);
+    if (closing == NULL)
+        return NULL;
+    int is_closing = PyObject_IsTrue(closing);
+    Py_DECREF(closing);
+    if (is_closing != 0)
+        return is_closing < 0 ? NULL : Py_NewRef(Py_None);
+    char head[24];
+    int hn = snprintf(head, sizeof head, "%zx\r\n", n);
+    PyObject *framed = PyBytes_FromStringAndSize(NULL, hn + n + 2);
+    if (framed == NULL)
+        return NULL;
+    char *p = PyBytes_AS_STRING(framed);
+    memcpy(p, head, (size_t)hn);
+    memcpy(p + hn, PyBytes_AS_STRING(data), (size_t)n);
+    memcpy(p + hn + n, "\r\n", 2);
+    PyObject *r = PyObject_CallOneArg(self->write, framed);
+    Py_DECREF(framed);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static int
+ChunkWriter_init(ChunkWriter *self, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"transport", "cycle", NULL};
+    PyObject *transport, *cycle;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", names, &transport, &cycle))
+        return -1;
+    PyObject *write = PyObject_GetAttr(transport, s_write);
+    if (write == NULL)
+        return -1;
+    PyObject *is_closing = PyObject_GetAttr(transport, s_is_closing);
+    if (is_closing == NULL) {
+        Py_DECREF(write);
+        return -1;
+    }
+    Py_XSETREF(self->write, write);
+    Py_XSETREF(self->is_closing, is_closing);
+    Py_INCREF(cycle);
+    Py_XSETREF(self->cycle, cycle);
+    return 0;
+}
+
+static int
+ChunkWriter_traverse(ChunkWriter *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->cycle);
+    Py_VISIT(self->write);
+    Py_VISIT(self->is_closing);
+    return 0;
+}
+
+static int
+ChunkWriter_clear(ChunkWriter *self)
+{
+    Py_CLEAR(self->cycle);
+    Py_CLEAR(self->write);
+    Py_CLEAR(self->is_closing);
+    return 0;
+}
+
+static void
+ChunkWriter_dealloc(ChunkWriter *self)
+{
+    PyObject_GC_UnTrack(self);
+    ChunkWriter_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject ChunkWriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "orchestrator._relaycore.ChunkWriter",
+    .tp_basicsize = sizeof(ChunkWriter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A streamed body's piece as one HTTP/1.1 chunk onto the client's connection (DirectBody.write, in C).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)ChunkWriter_init,
+    .tp_dealloc = (destructor)ChunkWriter_dealloc,
+    .tp_traverse = (traverseproc)ChunkWriter_traverse,
+    .tp_clear = (inquiry)ChunkWriter_clear,
+    .tp_call = (ternaryfunc)ChunkWriter_call,
+};
+
 static struct PyModuleDef relaycore_module = {
     PyModuleDef_HEAD_INIT, "orchestrator._relaycore", "The SSE relay's per-chunk step in C.", -1, NULL,
 };
@@ -603,7 +921,7 @@ static struct PyModuleDef relaycore_module = {
 PyMODINIT_FUNC
 PyInit__relaycore(void)
 {
-    if (PyType_Ready(&RelayType) < 0)
+    if (PyType_Ready(&RelayType) < 0 || PyType_Ready(&EventBufferType) < 0 || PyType_Ready(&ChunkWriterType) < 0)
         return NULL;
     PyObject *json = PyImport_ImportModule("json");
     if (json == NULL)
@@ -616,14 +934,17 @@ PyInit__relaycore(void)
         || (s_content_events = PyUnicode_InternFromString("content_events")) == NULL
         || (s_first_token_at = PyUnicode_InternFromString("first_token_at")) == NULL
         || (s_last_token_at = PyUnicode_InternFromString("last_token_at")) == NULL
-        || (s_usage = PyUnicode_InternFromString("usage")) == NULL)
+        || (s_usage = PyUnicode_InternFromString("usage")) == NULL
+        || (s_disconnected = PyUnicode_InternFromString("disconnected")) == NULL
+        || (s_write = PyUnicode_InternFromString("write")) == NULL
+        || (s_is_closing = PyUnicode_InternFromString("is_closing")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&relaycore_module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&RelayType);
-    if (PyModule_AddObject(m, "SseRelay", (PyObject *)&RelayType) < 0) {
-        Py_DECREF(&RelayType);
+    if (PyModule_AddObjectRef(m, "SseRelay", (PyObject *)&RelayType) < 0
+        || PyModule_AddObjectRef(m, "EventBuffer", (PyObject *)&EventBufferType) < 0
+        || PyModule_AddObjectRef(m, "ChunkWriter", (PyObject *)&ChunkWriterType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

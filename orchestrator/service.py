@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -773,19 +774,13 @@ def _settle_prompt_tokens(rreq: RouteRequest, usage) -> None:
 
 async def _relay_direct(resp: EngineResponse, relay: Relay, direct: DirectBody) -> None:
     """One engine stream relayed from its socket's read callback straight to the client's connection; the
-    client's back-pressure pauses the engine read."""
-    feed, write = relay.feed, direct.write
-
-    def on_data(chunk: bytes) -> None:
-        out = feed(chunk)
-        if out:
-            write(out)
-
+    client's back-pressure pauses the engine read. With the C relay, writer and tracker buffer, a token runs no
+    Python frame from the engine client's body callback to the client's socket."""
     direct.on_pause, direct.on_resume = resp.pause_reading, resp.resume_reading
     if direct.write_paused:
         resp.pause_reading()
     try:
-        await resp.stream_into(on_data)
+        await resp.stream_into(functools.partial(relay.pipe, direct.writer()))
     finally:
         direct.on_pause = direct.on_resume = None
 

@@ -102,6 +102,12 @@ class SseRelay:
             self._counts, self._sum, self._n = [0] * len(counts), 0.0, 0
             self._on_gaps(counts, total, n)
 
+    def pipe(self, write: Callable[[bytes], None], chunk: bytes) -> None:
+        """`write(feed(chunk))` when that is not empty: the engine socket's read callback's whole step."""
+        out = self.feed(chunk)
+        if out:
+            write(out)
+
     def feed(self, chunk: bytes) -> bytes:
         buf = self.buf + chunk  # onto an empty buf CPython hands back chunk itself: no copy in the usual case
         if b"\n\n" not in buf:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -185,18 +186,55 @@ def _null_arrays(ev: bytes, opener: bytes) -> bytes:
     return b"".join(out)
 
 
+class _EventBuffer:
+    """Raw events kept for a tracker: `feed(ev)` keeps `ev` (its prompt's ids cut when it is over `big` bytes, see
+    `without_prompt_ids`) and calls `on_full()` once the bytes kept pass `limit`; `take()` hands them over, oldest
+    first, and empties the buffer. The C twin (orchestrator._relaycore.EventBuffer, used when built) does the same
+    with no Python frame per event (tests/unit/orchestrator/test_migration.py runs both)."""
+
+    __slots__ = ("_events", "nbytes", "_limit", "_on_full", "_big")
+
+    def __init__(self, limit: int, on_full: Callable[[], None], big: int = _BIG_EVENT) -> None:
+        self._events: list[bytes] = []
+        self.nbytes = 0
+        self._limit, self._on_full, self._big = limit, on_full, big
+
+    def feed(self, ev: bytes) -> None:
+        if len(ev) > self._big:
+            ev = without_prompt_ids(ev)
+        self._events.append(ev)
+        self.nbytes += len(ev)
+        if self.nbytes > self._limit:
+            self._on_full()
+
+    def take(self) -> list[bytes]:
+        events, self._events, self.nbytes = self._events, [], 0
+        return events
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
+try:  # the same buffer in C (setup.py builds it; without a compiler the twin above serves)
+    from orchestrator._relaycore import EventBuffer
+except ImportError:  # pragma: no cover - depends on the build
+    EventBuffer = _EventBuffer  # type: ignore[misc,assignment]
+
+
 class StreamTracker:
     """Follows the content events the client received: identity, text, token ids, finish.
 
-    Only a migration reads it, so `feed` just keeps the event as the engine wrote it, and the events are decoded
-    (msgspec, into these few typed fields) when a field is read, or in batches of PENDING_BYTES of raw events to bound
-    what a long stream holds. A stream that ends before PENDING_BYTES is never decoded; the relayed bytes themselves
-    are never re-encoded. Reading a field gives what an eager decode of every event fed so far would have given.
+    Only a migration reads it, so `feed` just keeps the event as the engine wrote it (in an EventBuffer: the relay
+    calls it for every token), and the events are decoded (msgspec, into these few typed fields) when a field is read,
+    or in batches of PENDING_BYTES of raw events to bound what a long stream holds. A stream that ends before
+    PENDING_BYTES is never decoded; the relayed bytes themselves are never re-encoded. Reading a field gives what an
+    eager decode of every event fed so far would have given.
     """
 
-    def __init__(self) -> None:
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
+    def __init__(self, buffer: Callable[..., EventBuffer] = EventBuffer) -> None:
+        self._pending = buffer(PENDING_BYTES, self._absorb)
+        # "one SSE event (b"data: {...}") that was relayed to the client": the buffer's own feed, no frame of ours
+        self.feed: Callable[[bytes], None] = self._pending.feed
         self._id: str | None = None
         self._created: int | None = None
         self._model: str | None = None
@@ -208,21 +246,10 @@ class StreamTracker:
         self._events = 0
         self._blocked: str | None = None  # set when something seen makes the stream unmigratable
 
-    def feed(self, ev: bytes) -> None:
-        """One SSE event (b"data: {...}") that was relayed to the client."""
-        if len(ev) > _BIG_EVENT:  # a role chunk with the prompt's ids (vLLM's return_token_ids): not kept
-            ev = without_prompt_ids(ev)
-        self._pending.append(ev)
-        self._pending_bytes += len(ev)
-        if self._pending_bytes > PENDING_BYTES:
-            self._absorb()
-
     def _absorb(self) -> None:
-        pending = self._pending
-        if not pending:
+        if not self._pending:
             return
-        self._pending, self._pending_bytes = [], 0
-        for ev in pending:  # each on its own: a malformed event must not run into its neighbours
+        for ev in self._pending.take():  # each on its own: a malformed event must not run into its neighbours
             try:
                 c = _decode_chunk(memoryview(ev)[6:])
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:

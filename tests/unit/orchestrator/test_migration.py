@@ -380,7 +380,15 @@ def _tracker_state(t: StreamTracker) -> tuple:
             t.finish_reason, t.events, t.blocked)
 
 
-def test_the_lazy_tracker_reads_as_an_eager_decode_would():
+from orchestrator.resilience import migration as _migration  # noqa: E402
+
+BUFFERS = [pytest.param(_migration._EventBuffer, id="python"),
+           pytest.param(_migration.EventBuffer, id="c", marks=pytest.mark.skipif(
+               _migration.EventBuffer is _migration._EventBuffer, reason="orchestrator._relaycore not built"))]
+
+
+@pytest.mark.parametrize("buffer", BUFFERS)
+def test_the_lazy_tracker_reads_as_an_eager_decode_would(buffer):
     """Fields read at any point equal those of a tracker that decoded every event as it came (read after each feed)."""
     import random
 
@@ -399,7 +407,7 @@ def test_the_lazy_tracker_reads_as_an_eager_decode_would():
     for seed in range(100):
         rng = random.Random(seed)
         stream = [rng.choice(events) for _ in range(rng.randint(1, 30))]
-        eager, lazy = StreamTracker(), StreamTracker()
+        eager, lazy = StreamTracker(buffer), StreamTracker(buffer)
         for i, ev in enumerate(stream):
             eager.feed(ev)
             _tracker_state(eager)  # reading decodes: eager
@@ -410,19 +418,20 @@ def test_the_lazy_tracker_reads_as_an_eager_decode_would():
         assert lazy.generated_ids(lambda s: [len(s)]) == eager.generated_ids(lambda s: [len(s)])
 
 
-def test_the_lazy_tracker_holds_a_bounded_window_of_raw_events():
-    from orchestrator.resilience import migration
-
-    t = StreamTracker()
+@pytest.mark.parametrize("buffer", BUFFERS)
+def test_the_lazy_tracker_holds_a_bounded_window_of_raw_events(buffer):
+    t = StreamTracker(buffer)
     ev = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":" word"},"token_ids":[7]}]}'
-    n = 3 * migration.PENDING_BYTES // len(ev)
+    n = 3 * _migration.PENDING_BYTES // len(ev)
     for _ in range(n):
         t.feed(ev)
-        assert t._pending_bytes <= migration.PENDING_BYTES
+        assert t._pending.nbytes <= _migration.PENDING_BYTES and len(t._pending) * len(ev) == t._pending.nbytes
     assert t.events == n and t.token_ids == [7] * n and "".join(t.parts) == " word" * n
+    assert len(t._pending) == 0
 
 
-def test_the_tracker_drops_the_prompt_ids_of_a_role_chunk():
+@pytest.mark.parametrize("buffer", BUFFERS)
+def test_the_tracker_drops_the_prompt_ids_of_a_role_chunk(buffer):
     """vLLM's return_token_ids puts the prompt's ids on the role chunk: the tracker keeps the rest of the event, and
     reads the same fields as from the event whole."""
     import json as _json
@@ -434,12 +443,13 @@ def test_the_tracker_drops_the_prompt_ids_of_a_role_chunk():
         {"index": 0, "delta": {"role": "assistant", "content": ""}, "token_ids": []}], "prompt_token_ids": ids},
         separators=(",", ":")).encode()
     tok = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":" a"},"token_ids":[11]}]}'
-    t, whole = StreamTracker(), StreamTracker()
+    t = StreamTracker(buffer)
+    whole = StreamTracker(lambda limit, on_full: buffer(limit, on_full, big=1 << 30))  # keeps every event whole
     t.feed(role)
-    assert t._pending_bytes < 400 and t._pending  # kept small, not decoded on the spot
+    assert t._pending.nbytes < 400 and len(t._pending) == 1  # kept small, not decoded on the spot
     t.feed(tok)
     for ev in (role, tok):
-        whole._pending.append(ev)  # the event whole, as before
+        whole.feed(ev)  # the role chunk whole, past PENDING_BYTES: decoded at once, as before the cut
     assert _tracker_state(t) == _tracker_state(whole)
     assert t.token_ids == [11] and t.id == "c1" and t.model == "m"
     cut = without_prompt_ids(role)
@@ -451,3 +461,37 @@ def test_the_tracker_drops_the_prompt_ids_of_a_role_chunk():
     assert _json.loads(out[6:]) == {"choices": [{"index": 0, "text": '"prompt_token_ids":[1]', "prompt_token_ids": None,
                                                  "token_ids": [4]}], "prompt_token_ids": None}
     assert without_prompt_ids(b"data: {}") == b"data: {}"
+
+
+@pytest.mark.skipif(_migration.EventBuffer is _migration._EventBuffer, reason="orchestrator._relaycore not built")
+@pytest.mark.parametrize("seed", range(50))
+def test_the_c_event_buffer_matches_the_python_one(seed):
+    """The same events kept (cut the same way), the same on_full calls at the same points, the same takes."""
+    import random
+
+    rng = random.Random(seed)
+    ids = b",".join(b"%d" % rng.randrange(1 << 20) for _ in range(rng.randint(0, 3000)))
+    atoms = [b'data: {"choices":[{"index":0,"delta":{"content":"x"},"token_ids":[1]}]}',
+             b'data: {"prompt_token_ids":[' + ids + b'],"choices":[]}',
+             b'data: {"choices":[{"prompt_token_ids":[' + ids + b'],"text":"\\"prompt_token_ids\\":[9]"}],"prompt_token_ids":[1,2]}',
+             b'data: {"prompt_token_ids":[' + ids,  # an array that never closes
+             b"data: " + b"y" * rng.randint(0, 9000), b""]
+    limit, big = rng.choice([64, 1000, 1 << 16]), rng.choice([0, 16, 4096])
+
+    def run(cls):
+        log: list = []
+        buf = cls(limit, lambda: log.append(("full", buf.nbytes, len(buf))), big=big)
+        for _ in range(rng2.randint(1, 60)):
+            buf.feed(rng2.choice(atoms))
+            log.append(("kept", buf.nbytes, len(buf)))
+            if rng2.random() < 0.1:
+                log.append(("take", buf.take(), buf.nbytes, len(buf)))
+        log.append(("take", buf.take()))
+        return log
+
+    rng2 = random.Random(seed)
+    py = run(_migration._EventBuffer)
+    rng2 = random.Random(seed)
+    assert run(_migration.EventBuffer) == py
+    with pytest.raises(TypeError):
+        _migration.EventBuffer(10, lambda: None).feed("text")

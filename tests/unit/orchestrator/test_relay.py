@@ -156,3 +156,70 @@ def test_a_callbacks_error_reaches_the_caller(cls):
         cls(StreamStats(), True, lambda: None, lambda g: None, gap_bounds=(1.0,))  # bounds without on_gaps
 
 
+
+
+# ---- the read callback's whole step: pipe() and the client write ---------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", TWINS)
+@pytest.mark.parametrize("seed", range(20))
+def test_pipe_writes_what_feed_returns_when_not_empty(cls, seed):
+    rng = random.Random(seed)
+    data = _random_stream(rng)
+    parts = _splits(data, rng) if len(data) > 2 else [data]
+    reference = cls(StreamStats(), True, lambda: None, lambda g: None, strip_ids=True)
+    fed = [o for o in map(reference.feed, parts) if o]
+    written: list[bytes] = []
+    relay = cls(StreamStats(), True, lambda: None, lambda g: None, strip_ids=True)
+    for p in parts:
+        assert relay.pipe(written.append, p) is None
+    assert written == fed
+
+
+@pytest.mark.parametrize("cls", TWINS)
+def test_pipe_passes_the_writers_error_on(cls):
+    def broken(_):
+        raise OSError("gone")
+
+    with pytest.raises(OSError):
+        cls(StreamStats(), True, lambda: None, lambda g: None).pipe(broken, STREAM)
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class _Cycle:
+    disconnected = False
+
+
+def test_the_c_chunk_writer_writes_what_direct_body_writes():
+    from orchestrator.direct_body import ChunkWriter, DirectBody
+
+    if ChunkWriter is None:
+        pytest.skip("orchestrator._relaycore not built")
+    pieces = [b"x", b"", STREAM, b"\r\n", bytes(range(256)) * 300]
+    got = {}
+    for name in ("python", "c"):
+        transport, cycle = _Transport(), _Cycle()
+        body = DirectBody(cycle, transport)
+        write = body.write if name == "python" else body.writer()
+        assert (name == "c") == isinstance(write, ChunkWriter)
+        for p in pieces:
+            write(p)
+        transport.closing = True
+        write(b"after EOF")
+        transport.closing, cycle.disconnected = False, True
+        write(b"after the client left")
+        got[name] = transport.out
+    assert got["c"] == got["python"] and got["c"][0] == b"1\r\nx\r\n" and len(got["c"]) == 4
+    with pytest.raises(TypeError):
+        ChunkWriter(_Transport(), _Cycle())("text")
