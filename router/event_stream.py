@@ -132,12 +132,14 @@ class EventStream:
         if batch is None:
             self.stats.undecodable += 1
             return
-        self.stats.events += len(batch.events)
+        events = len(batch.events)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 self.stats.blocks_stored += len(ev.block_hashes)
             elif isinstance(ev, BlockRemoved):
                 self.stats.blocks_removed += len(ev.block_hashes)
+                events += ev.events - 1  # a codec's merged run counts as the events it stands for
+        self.stats.events += events
         rejected = self.index.apply_batch(self.worker_id, batch.events)
         if rejected:
             self.stats.rejected += len(rejected)

@@ -38,6 +38,9 @@ class BlockStored:
 class BlockRemoved:
     block_hashes: list[int]
     medium: str | None = None
+    # how many engine events this stands for: vLLM publishes one BlockRemoved per evicted block, and its codec merges a
+    # run of them (one medium, ints checked) into one; removals commute, so the index ends the same (counted as many)
+    events: int = 1
 
 
 @dataclass(slots=True)

@@ -198,7 +198,7 @@ class KvIndex:
             return self.store(worker_id, event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, event.lora_name,
                               event.mm_keys)
         if isinstance(event, BlockRemoved):
-            return 0 if event.medium not in _GPU else self.remove(worker_id, event.block_hashes)
+            return 0 if event.medium not in _GPU else self.remove(worker_id, event.block_hashes, event.events)
         if isinstance(event, AllBlocksCleared):
             self._event_worker(worker_id)
             self.clear_worker(worker_id)
@@ -232,13 +232,13 @@ class KvIndex:
     def _remove_run(self, worker_id: str, run: list[BlockRemoved], rejected: list[KvEventRejected]) -> None:
         if len(run) > 1:
             try:
-                self.remove(worker_id, [h for ev in run for h in ev.block_hashes], events=len(run))
+                self.remove(worker_id, [h for ev in run for h in ev.block_hashes], events=sum(ev.events for ev in run))
                 return
             except KvEventRejected:
                 pass  # one of them is malformed: apply them one by one, so only that one is rejected
         for ev in run:
             try:
-                self.remove(worker_id, ev.block_hashes)
+                self.remove(worker_id, ev.block_hashes, ev.events)
             except KvEventRejected as exc:
                 rejected.append(exc)
 

@@ -117,7 +117,17 @@ def _fast(payload: bytes, seq: int, packed: bool) -> KvEventBatch | None:
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError):
         return None
     out: list[KvEvent] = []
+    run: list[_Removed] = []  # consecutive removals of one medium: one BlockRemoved (SGLang sends one per evicted node)
     for e in b.events:
+        if type(e) is _Removed:
+            if run and e.medium != run[0].medium:
+                out.append(_removed(run))
+                run = []
+            run.append(e)
+            continue
+        if run:
+            out.append(_removed(run))
+            run = []
         if type(e) is _Stored:
             if e.block_size <= 0:
                 return None
@@ -128,11 +138,17 @@ def _fast(payload: bytes, seq: int, packed: bool) -> KvEventBatch | None:
             p = e.parent_block_hash
             out.append(BlockStored([h & _U64 for h in e.block_hashes], None if p is None else p & _U64, ids, e.block_size,
                                    lora_name=e.lora_name, medium=e.medium))
-        elif type(e) is _Removed:
-            out.append(BlockRemoved([h & _U64 for h in e.block_hashes], medium=e.medium))
         else:
             out.append(AllBlocksCleared())
+    if run:
+        out.append(_removed(run))
     return KvEventBatch(seq=seq, ts=b.ts, events=out, dp_rank=b.dp_rank)
+
+
+def _removed(run: list[_Removed]) -> BlockRemoved:
+    """A run of typed removals (their ids are ints, so none can be refused) as one event that counts as len(run)."""
+    hashes = run[0].block_hashes if len(run) == 1 else [h for e in run for h in e.block_hashes]
+    return BlockRemoved([h & _U64 for h in hashes], medium=run[0].medium, events=len(run))
 
 
 def decode_payload(payload: bytes, seq: int = 0, packed_ids: bool = False) -> KvEventBatch:

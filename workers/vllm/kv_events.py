@@ -254,17 +254,34 @@ def _u64(hashes: list[int]) -> list[int]:
 
 def _from_typed(batch: _RBatch, seq: int, packed: bool) -> KvEventBatch:
     out: list[KvEvent] = []
+    run: list[_RRemoved] = []  # consecutive removals of one medium: one BlockRemoved (vLLM sends one per evicted block)
     for ev in batch.events:
+        if type(ev) is _RRemoved:
+            if run and ev.medium != run[0].medium:
+                out.append(_removed(run))
+                run = []
+            run.append(ev)
+            continue
+        if run:
+            out.append(_removed(run))
+            run = []
         if type(ev) is _RStored:
             parent = ev.parent_block_hash
             mm = decode_mm_keys(ev.extra_keys, len(ev.block_hashes)) if ev.extra_keys and any(ev.extra_keys) else None
             out.append(BlockStored(_u64(ev.block_hashes), None if parent is None else parent & _U64,
                                    token_ids_of(ev.token_ids, packed), ev.block_size, ev.lora_name, ev.medium, mm))
-        elif type(ev) is _RRemoved:
-            out.append(BlockRemoved(_u64(ev.block_hashes), ev.medium))
         else:
             out.append(AllBlocksCleared())
+    if run:
+        out.append(_removed(run))
     return KvEventBatch(seq=seq, ts=batch.ts, events=out, dp_rank=batch.data_parallel_rank)
+
+
+def _removed(run: list[_RRemoved]) -> BlockRemoved:
+    """A run of typed removals (their ids are ints, so none can be refused) as one event that counts as len(run)."""
+    if len(run) == 1:
+        return BlockRemoved(_u64(run[0].block_hashes), run[0].medium)
+    return BlockRemoved(_u64([h for ev in run for h in ev.block_hashes]), run[0].medium, len(run))
 
 
 def decode_payload(payload: bytes, seq: int = 0, packed_ids: bool = False) -> KvEventBatch:
