@@ -7,12 +7,14 @@ hashes, so any engine's hash algorithm works.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 __all__ = ["BlockStored", "BlockRemoved", "AllBlocksCleared", "KvEvent", "KvEventBatch", "KvEventDecodeError",
-           "token_ids_of"]
+           "removal_runs", "token_ids_of"]
 
 
 class KvEventDecodeError(ValueError):
@@ -64,6 +66,26 @@ try:
     from router._kvcore import msgpack_u32 as _msgpack_u32
 except ImportError:  # not built: decoded to a list (router/hashing.py warns once that the extension is missing)
     _msgpack_u32 = None
+
+
+def removal_runs(events: Iterable[Any], removed: type) -> Iterator[Any]:
+    """`events` as they come, except that each run of consecutive `removed` events (a codec's typed BlockRemoved) of
+    one medium comes as one list: vLLM sends one removal per evicted block, and a codec hands a run on as one
+    BlockRemoved that counts as the events it stands for."""
+    run: list = []
+    for ev in events:
+        if type(ev) is removed:
+            if run and ev.medium != run[0].medium:
+                yield run
+                run = []
+            run.append(ev)
+            continue
+        if run:
+            yield run
+            run = []
+        yield ev
+    if run:
+        yield run
 
 
 def token_ids_of(raw: msgspec.Raw, packed: bool) -> list[int] | memoryview:

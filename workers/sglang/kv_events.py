@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from router.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError,
-                               token_ids_of)
+                               removal_runs, token_ids_of)
 
 __all__ = ["END_SEQ", "decode_payload", "decode_pub_frames", "decode_replay_frames", "encode_batch"]
 
@@ -117,18 +117,10 @@ def _fast(payload: bytes, seq: int, packed: bool) -> KvEventBatch | None:
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError):
         return None
     out: list[KvEvent] = []
-    run: list[_Removed] = []  # consecutive removals of one medium: one BlockRemoved (SGLang sends one per evicted node)
-    for e in b.events:
-        if type(e) is _Removed:
-            if run and e.medium != run[0].medium:
-                out.append(_removed(run))
-                run = []
-            run.append(e)
-            continue
-        if run:
-            out.append(_removed(run))
-            run = []
-        if type(e) is _Stored:
+    for e in removal_runs(b.events, _Removed):  # SGLang sends one removal per evicted node
+        if type(e) is list:
+            out.append(_removed(e))
+        elif type(e) is _Stored:
             if e.block_size <= 0:
                 return None
             try:
@@ -140,8 +132,6 @@ def _fast(payload: bytes, seq: int, packed: bool) -> KvEventBatch | None:
                                    lora_name=e.lora_name, medium=e.medium))
         else:
             out.append(AllBlocksCleared())
-    if run:
-        out.append(_removed(run))
     return KvEventBatch(seq=seq, ts=b.ts, events=out, dp_rank=b.dp_rank)
 
 

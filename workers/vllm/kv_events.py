@@ -24,7 +24,7 @@ from typing import Annotated, Any
 import msgspec
 
 from router.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, KvEventDecodeError,
-                               token_ids_of)
+                               removal_runs, token_ids_of)
 
 __all__ = [
     "END_SEQ",
@@ -254,26 +254,16 @@ def _u64(hashes: list[int]) -> list[int]:
 
 def _from_typed(batch: _RBatch, seq: int, packed: bool) -> KvEventBatch:
     out: list[KvEvent] = []
-    run: list[_RRemoved] = []  # consecutive removals of one medium: one BlockRemoved (vLLM sends one per evicted block)
-    for ev in batch.events:
-        if type(ev) is _RRemoved:
-            if run and ev.medium != run[0].medium:
-                out.append(_removed(run))
-                run = []
-            run.append(ev)
-            continue
-        if run:
-            out.append(_removed(run))
-            run = []
-        if type(ev) is _RStored:
+    for ev in removal_runs(batch.events, _RRemoved):
+        if type(ev) is list:
+            out.append(_removed(ev))
+        elif type(ev) is _RStored:
             parent = ev.parent_block_hash
             mm = decode_mm_keys(ev.extra_keys, len(ev.block_hashes)) if ev.extra_keys and any(ev.extra_keys) else None
             out.append(BlockStored(_u64(ev.block_hashes), None if parent is None else parent & _U64,
                                    token_ids_of(ev.token_ids, packed), ev.block_size, ev.lora_name, ev.medium, mm))
         else:
             out.append(AllBlocksCleared())
-    if run:
-        out.append(_removed(run))
     return KvEventBatch(seq=seq, ts=batch.ts, events=out, dp_rank=batch.data_parallel_rank)
 
 
