@@ -7,7 +7,7 @@ hashes, so any engine's hash algorithm works.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,24 +68,29 @@ except ImportError:  # not built: decoded to a list (router/hashing.py warns onc
     _msgpack_u32 = None
 
 
-def removal_runs(events: Iterable[Any], removed: type) -> Iterator[Any]:
-    """`events` as they come, except that each run of consecutive `removed` events (a codec's typed BlockRemoved) of
-    one medium comes as one list: vLLM sends one removal per evicted block, and a codec hands a run on as one
-    BlockRemoved that counts as the events it stands for."""
+def removal_runs(events: Iterable[Any], removed: type, mask: Callable[[list[int]], list[int]]) -> Iterator[Any]:
+    """`events` as they come, except that each run of consecutive `removed` events (a codec's typed removal, whose ids
+    are ints: none can be refused) of one medium comes as one BlockRemoved of `mask(all their ids)` that counts as
+    the events it stands for. vLLM sends one removal per evicted block (SGLang one per evicted node)."""
     run: list = []
     for ev in events:
         if type(ev) is removed:
             if run and ev.medium != run[0].medium:
-                yield run
+                yield _merged(run, mask)
                 run = []
             run.append(ev)
             continue
         if run:
-            yield run
+            yield _merged(run, mask)
             run = []
         yield ev
     if run:
-        yield run
+        yield _merged(run, mask)
+
+
+def _merged(run: list, mask: Callable[[list[int]], list[int]]) -> BlockRemoved:
+    hashes = run[0].block_hashes if len(run) == 1 else [h for ev in run for h in ev.block_hashes]
+    return BlockRemoved(mask(hashes), run[0].medium, len(run))
 
 
 def token_ids_of(raw: msgspec.Raw, packed: bool) -> list[int] | memoryview:

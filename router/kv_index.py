@@ -209,9 +209,11 @@ class KvIndex:
         """Apply events in order; a rejected one is skipped and returned, the rest still apply.
 
         vLLM publishes one BlockRemoved per evicted block, so a batch under memory pressure holds runs of
-        one-hash removals. A run of consecutive GPU removals is applied as one removal of all their hashes: the
-        same index after it (removals commute with each other), counted as as many events, at a fraction of the
-        per-event cost (benchmarks/kv_ingest.py, workload `evict`)."""
+        one-hash removals. The vLLM and SGLang typed decoders merge them already (router.kv_events.removal_runs);
+        what is left here (their generic paths, TensorRT-LLM's events, a malformed id among them) is merged the same
+        way: a run of consecutive GPU removals is applied as one removal of all their hashes: the same index after
+        it (removals commute with each other), counted as as many events, at a fraction of the per-event cost
+        (benchmarks/kv_ingest.py, workload `evict`)."""
         rejected: list[KvEventRejected] = []
         run: list[BlockRemoved] = []
         for ev in events:

@@ -117,9 +117,9 @@ def _fast(payload: bytes, seq: int, packed: bool) -> KvEventBatch | None:
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, RecursionError):
         return None
     out: list[KvEvent] = []
-    for e in removal_runs(b.events, _Removed):  # SGLang sends one removal per evicted node
-        if type(e) is list:
-            out.append(_removed(e))
+    for e in removal_runs(b.events, _Removed, _masked):
+        if type(e) is BlockRemoved:
+            out.append(e)
         elif type(e) is _Stored:
             if e.block_size <= 0:
                 return None
@@ -128,17 +128,15 @@ def _fast(payload: bytes, seq: int, packed: bool) -> KvEventBatch | None:
             except (msgspec.DecodeError, ValueError, TypeError, RecursionError):  # not an array of ints
                 return None
             p = e.parent_block_hash
-            out.append(BlockStored([h & _U64 for h in e.block_hashes], None if p is None else p & _U64, ids, e.block_size,
+            out.append(BlockStored(_masked(e.block_hashes), None if p is None else p & _U64, ids, e.block_size,
                                    lora_name=e.lora_name, medium=e.medium))
         else:
             out.append(AllBlocksCleared())
     return KvEventBatch(seq=seq, ts=b.ts, events=out, dp_rank=b.dp_rank)
 
 
-def _removed(run: list[_Removed]) -> BlockRemoved:
-    """A run of typed removals (their ids are ints, so none can be refused) as one event that counts as len(run)."""
-    hashes = run[0].block_hashes if len(run) == 1 else [h for e in run for h in e.block_hashes]
-    return BlockRemoved([h & _U64 for h in hashes], medium=run[0].medium, events=len(run))
+def _masked(hashes: list[int]) -> list[int]:
+    return [h & _U64 for h in hashes]  # SGLang sends signed ids
 
 
 def decode_payload(payload: bytes, seq: int = 0, packed_ids: bool = False) -> KvEventBatch:

@@ -254,9 +254,9 @@ def _u64(hashes: list[int]) -> list[int]:
 
 def _from_typed(batch: _RBatch, seq: int, packed: bool) -> KvEventBatch:
     out: list[KvEvent] = []
-    for ev in removal_runs(batch.events, _RRemoved):
-        if type(ev) is list:
-            out.append(_removed(ev))
+    for ev in removal_runs(batch.events, _RRemoved, _u64):
+        if type(ev) is BlockRemoved:
+            out.append(ev)
         elif type(ev) is _RStored:
             parent = ev.parent_block_hash
             mm = decode_mm_keys(ev.extra_keys, len(ev.block_hashes)) if ev.extra_keys and any(ev.extra_keys) else None
@@ -265,13 +265,6 @@ def _from_typed(batch: _RBatch, seq: int, packed: bool) -> KvEventBatch:
         else:
             out.append(AllBlocksCleared())
     return KvEventBatch(seq=seq, ts=batch.ts, events=out, dp_rank=batch.data_parallel_rank)
-
-
-def _removed(run: list[_RRemoved]) -> BlockRemoved:
-    """A run of typed removals (their ids are ints, so none can be refused) as one event that counts as len(run)."""
-    if len(run) == 1:
-        return BlockRemoved(_u64(run[0].block_hashes), run[0].medium)
-    return BlockRemoved(_u64([h for ev in run for h in ev.block_hashes]), run[0].medium, len(run))
 
 
 def decode_payload(payload: bytes, seq: int = 0, packed_ids: bool = False) -> KvEventBatch:
