@@ -654,7 +654,6 @@ typedef struct {
     PyObject *events;  /* list[bytes] */
     PyObject *on_full;
     Py_ssize_t nbytes, limit, big;
-    Buf scratch;
 } EventBuffer;
 
 static PyObject *
@@ -667,13 +666,10 @@ EventBuffer_feed(EventBuffer *self, PyObject *ev)
     Py_ssize_t n = PyBytes_GET_SIZE(ev);
     PyObject *kept;
     if (n > self->big && find_by(PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) != NULL) {
-        self->scratch.len = 0;
-        if (put_nulled(&self->scratch, PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) < 0)
-            return NULL;
-        kept = PyBytes_FromStringAndSize(self->scratch.p, self->scratch.len);
-        PyMem_Free(self->scratch.p);  /* rare and large: not kept for the stream's life */
-        self->scratch.p = NULL;
-        self->scratch.cap = self->scratch.len = 0;
+        Buf cut = {NULL, 0, 0};  /* rare and large: not kept for the stream's life */
+        kept = put_nulled(&cut, PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) < 0
+            ? NULL : PyBytes_FromStringAndSize(cut.p, cut.len);
+        PyMem_Free(cut.p);
         if (kept == NULL)
             return NULL;
     }
@@ -758,7 +754,6 @@ EventBuffer_dealloc(EventBuffer *self)
 {
     PyObject_GC_UnTrack(self);
     EventBuffer_clear(self);
-    PyMem_Free(self->scratch.p);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
