@@ -91,13 +91,12 @@ class LoopWatch:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if _dump_owner is self:
-            if self._stop is not None:
-                self._stop.set()
-                self._stop = None
+            self._stop.set()
             _dump_owner = None
 
     def _watch_stacks(self, stop: threading.Event) -> None:
         """The stack watch thread: every thread's stack, once per stall (see the module's header)."""
+        global _dump_owner
         reported = False
         woke = time.monotonic()
         while not stop.wait(self.tick_s):
@@ -113,6 +112,8 @@ class LoopWatch:
                     self._write_stacks(silent, held)
                 except Exception as exc:  # a closed or broken file: measuring goes on without stacks
                     log.warning("stall stacks are off: cannot write them to %r (%s)", self.dump_file, exc)
+                    if _dump_owner is self:  # the stall log says "no stacks" from now on
+                        _dump_owner = None
                     return
 
     def _write_stacks(self, silent: float, held: float) -> None:
@@ -142,7 +143,8 @@ class LoopWatch:
                 loop_used = None if cpu is None or self._tick_cpu is None else cpu - self._tick_cpu
                 proc_used = proc_cpu - self._tick_proc_cpu
                 where = ("every thread's stack was written to stderr during it; the loop's is Thread "
-                         f"{self._loop_ident:#018x}" if _dump_owner is self else "no stacks: another watch writes them")
+                         f"{self._loop_ident:#018x}" if _dump_owner is self
+                         else "no stacks: another watch writes them, or they are off")
                 log.warning("the event loop stalled %.2f s (CPU time meanwhile: loop thread %s, whole process %.2f s; %s): engine "
                             "connections and local leases may have timed out meanwhile; %s", late,
                             "unknown" if loop_used is None else f"{loop_used:.2f} s", proc_used,
