@@ -481,15 +481,11 @@ Relay_pipe(Relay *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *out = Relay_feed(self, args[1]);
     if (out == NULL)
         return NULL;
-    if (PyBytes_GET_SIZE(out) > 0) {
-        PyObject *r = PyObject_CallOneArg(args[0], out);
-        Py_DECREF(out);
-        if (r == NULL)
-            return NULL;
-        Py_DECREF(r);
-    }
-    else
-        Py_DECREF(out);
+    PyObject *r = PyBytes_GET_SIZE(out) > 0 ? PyObject_CallOneArg(args[0], out) : Py_NewRef(Py_None);
+    Py_DECREF(out);
+    if (r == NULL)
+        return NULL;
+    Py_DECREF(r);
     Py_RETURN_NONE;
 }
 
