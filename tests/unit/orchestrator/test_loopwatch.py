@@ -62,18 +62,23 @@ async def test_a_blocked_loop_is_counted_and_its_stack_dumped(tmp_path, caplog) 
     assert f"Thread {threading.get_ident():#018x}" in stacks and f"{threading.get_ident():#018x}" in stalled
 
 
+async def _stall(watch: LoopWatch, hold, seconds: float) -> None:
+    """Start the watch, hold its loop for `seconds` with `hold`, let the ticker wake late and report, close it."""
+    watch.start()
+    try:
+        await asyncio.sleep(0.1)
+        hold(seconds)
+        await asyncio.sleep(0.2)
+    finally:
+        await watch.close()
+
+
 async def test_cpu_work_on_the_loop_shows_as_loop_cpu_time(tmp_path, caplog) -> None:
     """Stacks are read with the GIL held (sys._current_frames): a loop busy in Python is sampled mid-work, safely,
     and a long stall gives one dump, not one per tick."""
     watch, r = _watch(tmp_path)
     caplog.set_level(logging.WARNING, logger="kvyard.loop")
-    watch.start()
-    try:
-        await asyncio.sleep(0.1)
-        _hold_the_loop_computing(0.8)
-        await asyncio.sleep(0.2)
-    finally:
-        await watch.close()
+    await _stall(watch, _hold_the_loop_computing, 0.8)
     [stalled] = _stalls(caplog)
     assert _cpu(stalled, "loop thread") >= 0.6, stalled
     stacks = (tmp_path / "stacks.txt").read_text()
@@ -164,18 +169,11 @@ def test_bad_settings_are_refused() -> None:
         LoopWatch(lag, stalls, stall_s=0)
 
 
-
 async def test_a_stack_file_that_cannot_be_written_turns_the_stacks_off(tmp_path, caplog) -> None:
     watch, r = _watch(tmp_path)
     watch.dump_file.close()  # every write now raises
     caplog.set_level(logging.WARNING, logger="kvyard.loop")
-    watch.start()
-    try:
-        await asyncio.sleep(0.1)
-        _hold_the_loop_sleeping(0.8)
-        await asyncio.sleep(0.2)
-    finally:
-        await watch.close()
+    await _stall(watch, _hold_the_loop_sleeping, 0.8)
     assert not watch.dumps_stacks
     assert any("stall stacks are off" in rec.getMessage() for rec in caplog.records)
     [stalled] = _stalls(caplog)
