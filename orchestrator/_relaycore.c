@@ -635,9 +635,12 @@ static PyTypeObject RelayType = {
 
 /* ---- EventBuffer: the migration tracker's raw events (orchestrator/resilience/migration.py) ---------------------
 
-   EventBuffer(limit, on_full, big=4096)
+   EventBuffer(limit, on_full, big=4096, on_prompt_ids=None)
        feed(ev: bytes)   keeps ev, with each `"prompt_token_ids":[...]` written null when ev is longer than `big`
-                         (migration.without_prompt_ids); once the bytes kept pass `limit`, calls on_full()
+                         (migration.without_prompt_ids); once the bytes kept pass `limit`, calls on_full().
+                         With on_prompt_ids: the first such cut array that parses (migration.parse_u32_array) is
+                         handed to on_prompt_ids(ids: bytes, native uint32s) before the event is kept, once per
+                         buffer; an exception it raises is reported as unraisable, never raised into the relay
        take() -> list    the events kept, oldest first; the buffer is then empty
        len(buffer)       how many are kept; buffer.nbytes: their bytes
    The Python twin is migration._EventBuffer; the tracker hands `feed` to the relay as its on_content, so a relayed
@@ -649,8 +652,90 @@ typedef struct {
     PyObject_HEAD
     PyObject *events;  /* list[bytes] */
     PyObject *on_full;
+    PyObject *on_prompt_ids;  /* NULL once called (or never given) */
     Py_ssize_t nbytes, limit, big;
 } EventBuffer;
+
+static inline int
+json_space(char c)
+{
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
+}
+
+/* The n bytes between an int array's brackets as native uint32s (a bytes object), or NULL with no error set when they
+   are not exactly that: non-negative decimal ints < 2**32 without signs or exponents, comma-separated, JSON whitespace
+   around them; an empty array gives NULL too (migration.parse_u32_array, byte for byte) */
+static PyObject *
+parse_u32(const char *p, Py_ssize_t n)
+{
+    Py_ssize_t commas = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        commas += p[i] == ',';
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (commas + 1) * (Py_ssize_t)sizeof(uint32_t));
+    if (out == NULL)
+        return NULL;
+    uint32_t *ids = (uint32_t *)PyBytes_AS_STRING(out);
+    Py_ssize_t i = 0, k = 0;
+    for (;;) {
+        while (i < n && json_space(p[i]))
+            i++;
+        if (i == n || p[i] < '0' || p[i] > '9')
+            goto bad;
+        uint64_t v = 0;
+        Py_ssize_t digits = 0;
+        while (i < n && p[i] >= '0' && p[i] <= '9') {
+            v = v * 10 + (uint64_t)(p[i++] - '0');
+            if (++digits > 10)
+                goto bad;
+        }
+        if (v > 0xFFFFFFFFu)
+            goto bad;
+        ids[k++] = (uint32_t)v;
+        while (i < n && json_space(p[i]))
+            i++;
+        if (i == n)
+            break;
+        if (p[i++] != ',')
+            goto bad;
+    }
+    if (k != commas + 1)
+        goto bad;
+    return out;
+bad:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* hands the first parsable prompt_token_ids array of ev (n bytes) to on_prompt_ids, once */
+static void
+offer_prompt_ids(EventBuffer *self, const char *ev, Py_ssize_t n)
+{
+    const char *hit = find_by(ev, n, PROMPT_IDS_OPEN, 20, 19);
+    while (hit != NULL && self->on_prompt_ids != NULL) {
+        const char *start = hit + 20;
+        const char *close = memchr(start, ']', (size_t)(n - (start - ev)));
+        if (close == NULL)
+            return;
+        PyObject *ids = parse_u32(start, close - start);
+        if (ids == NULL) {
+            if (PyErr_Occurred())  /* memory: reported, the event is still kept */
+                PyErr_WriteUnraisable(self->on_prompt_ids);
+        }
+        else {
+            PyObject *callback = self->on_prompt_ids;
+            self->on_prompt_ids = NULL;  /* once, even if it fails */
+            PyObject *r = PyObject_CallOneArg(callback, ids);
+            if (r == NULL)
+                PyErr_WriteUnraisable(callback);
+            Py_XDECREF(r);
+            Py_DECREF(callback);
+            Py_DECREF(ids);
+            return;
+        }
+        Py_ssize_t at = (close - ev) + 1;
+        hit = at < n ? find_by(ev + at, n - at, PROMPT_IDS_OPEN, 20, 19) : NULL;
+    }
+}
 
 static PyObject *
 EventBuffer_feed(EventBuffer *self, PyObject *ev)
@@ -662,6 +747,8 @@ EventBuffer_feed(EventBuffer *self, PyObject *ev)
     Py_ssize_t n = PyBytes_GET_SIZE(ev);
     PyObject *kept;
     if (n > self->big && find_by(PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) != NULL) {
+        if (self->on_prompt_ids != NULL)
+            offer_prompt_ids(self, PyBytes_AS_STRING(ev), n);
         Buf cut = {NULL, 0, 0};  /* rare and large: not kept for the stream's life */
         kept = put_nulled(&cut, PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) < 0
             ? NULL : PyBytes_FromStringAndSize(cut.p, cut.len);
@@ -708,14 +795,20 @@ EventBuffer_len(EventBuffer *self)
 static int
 EventBuffer_init(EventBuffer *self, PyObject *args, PyObject *kw)
 {
-    static char *names[] = {"limit", "on_full", "big", NULL};
+    static char *names[] = {"limit", "on_full", "big", "on_prompt_ids", NULL};
     Py_ssize_t limit, big = 4096;
-    PyObject *on_full;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "nO|n", names, &limit, &on_full, &big))
+    PyObject *on_full, *on_prompt_ids = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "nO|nO", names, &limit, &on_full, &big, &on_prompt_ids))
         return -1;
-    if (!PyCallable_Check(on_full)) {
-        PyErr_SetString(PyExc_TypeError, "on_full must be callable");
+    if (!PyCallable_Check(on_full) || (on_prompt_ids != Py_None && !PyCallable_Check(on_prompt_ids))) {
+        PyErr_SetString(PyExc_TypeError, "on_full and on_prompt_ids must be callable");
         return -1;
+    }
+    if (on_prompt_ids == Py_None)
+        Py_CLEAR(self->on_prompt_ids);
+    else {
+        Py_INCREF(on_prompt_ids);
+        Py_XSETREF(self->on_prompt_ids, on_prompt_ids);
     }
     PyObject *events = PyList_New(0);
     if (events == NULL)
@@ -734,6 +827,7 @@ EventBuffer_traverse(EventBuffer *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->events);
     Py_VISIT(self->on_full);
+    Py_VISIT(self->on_prompt_ids);
     return 0;
 }
 
@@ -742,6 +836,7 @@ EventBuffer_clear(EventBuffer *self)
 {
     Py_CLEAR(self->events);
     Py_CLEAR(self->on_full);
+    Py_CLEAR(self->on_prompt_ids);
     return 0;
 }
 

@@ -29,16 +29,21 @@ for 12.6 s):
      then an estimate; the engine's usage replaces it when the request ends (orchestrator/service.py). The kv policy's probe asks its index; a policy
      without one (round-robin, least-loaded) needs no ids (probe None), and EAGER tokenizes it all
      (disaggregated models, workers without KV events whose predicted contents are the routed prompts).
+  5. what was left untokenized is learned from the engine, where it sends the prompt's ids back (vLLM with
+     `return_token_ids`): `learner` (orchestrator/token_cache.py, `ChunkedTokenizer.learn`).
 Measured (benchmarks/results/hostile_prompt.json): the longest loop stall an 8 MB prompt causes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily
 
 from orchestrator.errors import BadRequestError, ContextLengthError
 from orchestrator.multimodal import chat_prompt
@@ -49,6 +54,8 @@ from orchestrator.tokenizer import PromptTokenizer, load_tokenizer
 from workers.multimodal import ContentError, MmTokenSpec, flatten_messages
 
 __all__ = ["PromptPreparer", "PromptTokens", "INLINE_CHARS", "EAGER"]
+
+log = logging.getLogger("kvyard.prepare")
 
 INLINE_CHARS = 4096  # up to here a prompt is tokenized on the loop (a thread hop would cost more than the encode)
 EAGER = object()  # how_far() -> EAGER: every token, as routing with predicted cache contents needs
@@ -105,16 +112,25 @@ class _GilFree:
         return self._tok.count_or_ids(text, 1 << 62, add_special_tokens=add_special_tokens)[1]
 
 
+def _log_failure(fut) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("learning a prompt's ids from the engine failed", exc_info=fut.exception())
+
+
 class PromptPreparer:
     def __init__(self, pool: WorkerPool, max_tokens_cap: int = 0, workers: int = 2, cache_tokens: int = 0,
-                 fast_bpe: bool = True) -> None:
+                 fast_bpe: bool = True, learn: bool = True) -> None:
         self.pool = pool
+        self.learn = learn  # take the engine's ids of what was left untokenized (`learner`)
         self.fast_bpe = fast_bpe  # the pool preloads with the same flag (one load_tokenizer cache entry)
         self.max_tokens_cap = max_tokens_cap
         self.cache_tokens = cache_tokens
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvyard-prep")
         self._chunked: dict[int, ChunkedTokenizer] = {}  # id(PromptTokenizer) -> its chunk cache
         self._chunked_lock = threading.Lock()
+
+    def chunk_caches(self) -> list[ChunkedTokenizer]:
+        return list(self._chunked.values())
 
     def chunked(self, tok: PromptTokenizer) -> ChunkedTokenizer:
         """The tokenizer's chunk cache, made (and self-tested, orchestrator/token_cache.py) on first use."""
@@ -215,6 +231,24 @@ class PromptPreparer:
         p = cached.begin(text, add_special_tokens, first=0 if probe is None else None)
         return PromptTokens(p.ids, [], 0, p, cached)
 
+    def learner(self, prompt: PromptTokens) -> Callable[[bytes], None] | None:
+        """For a prompt left partly untokenized, where the chunk cache can learn: a callback that takes the engine's
+        ids of the whole prompt (native uint32s, from the stream's first chunk: resilience/migration.py's
+        `on_prompt_ids`) and caches the untokenized chunks' ids on the thread pool (ChunkedTokenizer.learn), so the
+        text's next sight costs no tokenizing. None otherwise."""
+        p, chunked = prompt.partial, prompt.chunked
+        if not self.learn or p is None or p.complete or chunked is None or not chunked.learns:
+            return None
+        done, n = p.done, len(p.ids)  # as routed; a migration's `complete` only appends to p.ids after this
+
+        def learn(engine_ids: bytes) -> None:
+            try:
+                self._executor.submit(chunked.learn, p, done, n, engine_ids).add_done_callback(_log_failure)
+            except RuntimeError:  # shut down
+                pass
+
+        return learn
+
     async def complete(self, prompt: PromptTokens) -> list[int]:
         """All of the prompt's ids (tokenizing the rest of a lazy one, on the thread pool; its cached chunks are free)."""
         p = prompt.partial
@@ -243,3 +277,24 @@ class PromptPreparer:
             return body, want
         fill = min(self.max_tokens_cap, ctx - n_prompt) if n_prompt else self.max_tokens_cap
         return ({**body, "max_tokens": fill}, fill) if fill > 0 else (body, None)
+
+
+class PromptCacheCollector:
+    """The chunk caches' counters on /metrics (summed over tokenizers): where long prompts' chunks came from, and how
+    many engine answers did not fit their prompt's text."""
+
+    def __init__(self, prep: PromptPreparer) -> None:
+        self._prep = prep
+
+    def describe(self):
+        return []  # no fixed families at registration (the caches are made on first use)
+
+    def collect(self):
+        caches = self._prep.chunk_caches()
+        chunks = CounterMetricFamily("kvyard_prompt_chunks", "Chunks of long prompts by where their token ids came from: "
+                                     "the cache, the tokenizer, or learned from the engine's ids", labels=["source"])
+        for source, attr in (("cached", "hits"), ("tokenized", "misses"), ("learned", "learned")):
+            chunks.add_metric([source], sum(getattr(c, attr) for c in caches))
+        yield chunks
+        yield CounterMetricFamily("kvyard_prompt_learn_refused", "Engine answers whose prompt ids did not spell their "
+                                  "prompt's text (nothing learned)", value=sum(c.learn_refused for c in caches))

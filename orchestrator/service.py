@@ -51,7 +51,7 @@ from orchestrator.metrics import BatchedObserver, FrontendMetrics
 from orchestrator.multimodal import stamp_uuids
 from orchestrator.security.http import read_body
 from orchestrator.pool import WorkerPool
-from orchestrator.prepare import EAGER, PromptPreparer, PromptTokens
+from orchestrator.prepare import EAGER, PromptCacheCollector, PromptPreparer, PromptTokens
 from orchestrator.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from orchestrator.request_fields import RequestFields
 from orchestrator.resilience.admission import AdmissionController, Ticket, worker_saturated
@@ -149,7 +149,9 @@ class InferenceService:
         self.hung = HungWorkers(self._probe, self._trip, self._has_alternative)
         pool.on_worker_unresponsive.append(self.hung.suspect)
         pool.on_worker_left.append(self._forget)
-        self.prep = PromptPreparer(pool, cfg.max_tokens_cap, cache_tokens=cfg.prompt_cache_tokens, fast_bpe=cfg.fast_bpe)
+        self.prep = PromptPreparer(pool, cfg.max_tokens_cap, cache_tokens=cfg.prompt_cache_tokens, fast_bpe=cfg.fast_bpe,
+                                   learn=cfg.learn_prompt_ids)
+        metrics.registry.register(PromptCacheCollector(self.prep))
         self.fields = RequestFields(cfg.security.request_fields, on_removed=lambda reason: metrics.fields_removed.labels(reason).inc())
         # disaggregated prefill/decode (orchestrator/disagg): set by the app; None serves every model aggregated
         self.disagg = None
@@ -526,7 +528,9 @@ class InferenceService:
         rreq, t0, model = d.rreq, d.t0, d.rreq.model
         itl = BatchedObserver(self.metrics.child(self.metrics.itl, model))  # per-token: counted here, added in batches
         gap_bounds = itl.bounds  # the relay counts the gaps itself (orchestrator/streaming.py)
-        tracker = StreamTracker() if d.blocker is None else None
+        # with vLLM's return_token_ids the first chunk carries the prompt's ids: the chunk cache learns what it left
+        # untokenized (prepare.py, `learner`)
+        tracker = StreamTracker(on_prompt_ids=self.prep.learner(d.prompt)) if d.blocker is None else None
         rewriter: ChunkRewriter | None = None
         migrations = 0
         relayed = 0  # content events the client has received, all workers together

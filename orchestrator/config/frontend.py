@@ -156,6 +156,9 @@ class FrontendConfig(BaseModel):
                                      "orchestrator/token_cache.py)")
     fast_bpe: bool = Field(True, description="tokenize prompts with tiktoken's BPE core where it gives the tokenizer's "
                            "own ids (checked when the tokenizer loads; about a fifth of the CPU; orchestrator/fast_bpe.py)")
+    learn_prompt_ids: bool = Field(True, description="cache the ids of long prompts' untokenized chunks from the ids the "
+                                   "engine sends back (vLLM's return_token_ids), checked against the text byte for byte, "
+                                   "so text seen again is not tokenized (orchestrator/token_cache.py)")
     gc_freeze: bool = Field(True, description="keep the permanent heap (imports, the app, tokenizers) out of the garbage "
                             "collector's full collections, which otherwise stop the event loop for tens of ms "
                             "(`kvyard frontend` and `kvyard up`; orchestrator/heap.py)")

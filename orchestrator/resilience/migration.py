@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -186,21 +188,61 @@ def _null_arrays(ev: bytes, opener: bytes) -> bytes:
     return b"".join(out)
 
 
+_U32_ARRAY = re.compile(rb"[ \t\n\r]*[0-9]{1,10}[ \t\n\r]*(?:,[ \t\n\r]*[0-9]{1,10}[ \t\n\r]*)*")
+
+
+def parse_u32_array(inner: bytes) -> bytes | None:
+    """The bytes between an int array's brackets as native uint32s, or None when they are not exactly that:
+    non-negative decimal ints under 2**32 (no sign, fraction or exponent), comma-separated, JSON whitespace around
+    them. An empty array gives None too."""
+    if _U32_ARRAY.fullmatch(inner) is None:
+        return None
+    try:
+        return array("I", map(int, inner.split(b","))).tobytes()
+    except OverflowError:
+        return None
+
+
+def _offer_prompt_ids(ev: bytes, on_prompt_ids: Callable[[bytes], None]) -> bool:
+    """Hands the first parsable `"prompt_token_ids":[...]` of ev to on_prompt_ids; True if it was called."""
+    i = ev.find(_PROMPT_IDS)
+    while i >= 0:
+        start = i + len(_PROMPT_IDS)
+        j = ev.find(b"]", start)
+        if j < 0:
+            return False
+        ids = parse_u32_array(ev[start:j])
+        if ids is not None:
+            try:
+                on_prompt_ids(ids)
+            except Exception:  # reported, never raised into the relay (the C twin: as unraisable)
+                log.exception("on_prompt_ids failed")
+            return True
+        i = ev.find(_PROMPT_IDS, j + 1)
+    return False
+
+
 class _EventBuffer:
     """Raw events kept for a tracker: `feed(ev)` keeps `ev` (its prompt's ids cut when it is over `big` bytes, see
     `without_prompt_ids`) and calls `on_full()` once the bytes kept pass `limit`; `take()` hands them over, oldest
-    first, and empties the buffer. The C twin (orchestrator._relaycore.EventBuffer, used when built) does the same
-    with no Python frame per event (tests/unit/orchestrator/test_migration.py runs both)."""
+    first, and empties the buffer. With `on_prompt_ids`, the first cut array that parses (parse_u32_array) is handed
+    to it, once, before its event is kept (the frontend learns a long prompt's ids from the engine that tokenized it:
+    orchestrator/token_cache.py, `ChunkedTokenizer.learn`). The C twin (orchestrator._relaycore.EventBuffer, used
+    when built) does the same with no Python frame per event (tests/unit/orchestrator/test_migration.py runs both)."""
 
-    __slots__ = ("_events", "nbytes", "_limit", "_on_full", "_big")
+    __slots__ = ("_events", "nbytes", "_limit", "_on_full", "_big", "_on_prompt_ids")
 
-    def __init__(self, limit: int, on_full: Callable[[], None], big: int = _BIG_EVENT) -> None:
+    def __init__(self, limit: int, on_full: Callable[[], None], big: int = _BIG_EVENT,
+                 on_prompt_ids: Callable[[bytes], None] | None = None) -> None:
         self._events: list[bytes] = []
         self.nbytes = 0
         self._limit, self._on_full, self._big = limit, on_full, big
+        self._on_prompt_ids = on_prompt_ids
 
     def feed(self, ev: bytes) -> None:
         if len(ev) > self._big:
+            if self._on_prompt_ids is not None and _PROMPT_IDS in ev and _offer_prompt_ids(ev, self._on_prompt_ids):
+                self._on_prompt_ids = None
             ev = without_prompt_ids(ev)
         self._events.append(ev)
         self.nbytes += len(ev)
@@ -231,8 +273,10 @@ class StreamTracker:
     eager decode of every event fed so far would have given.
     """
 
-    def __init__(self, buffer: Callable[..., EventBuffer] = EventBuffer) -> None:
-        self._pending = buffer(PENDING_BYTES, self._absorb)
+    def __init__(self, buffer: Callable[..., EventBuffer] = EventBuffer,
+                 on_prompt_ids: Callable[[bytes], None] | None = None) -> None:
+        # on_prompt_ids: handed the prompt's ids (native uint32s) the engine put on its first chunk, once (_EventBuffer)
+        self._pending = buffer(PENDING_BYTES, self._absorb, _BIG_EVENT, on_prompt_ids)
         # "one SSE event (b"data: {...}") that was relayed to the client": the buffer's own feed, no frame of ours
         self.feed: Callable[[bytes], None] = self._pending.feed
         self._id: str | None = None

@@ -194,6 +194,28 @@ def test_chat_return_token_ids(engine):
     assert sum((c["choices"][0]["token_ids"] for c in content), []) == full["choices"][0]["token_ids"]
 
 
+def test_the_prompt_ids_teach_the_frontends_chunk_cache(engine):
+    """The role chunk's prompt ids are the frontend's own tokenization of its own rendering of the chat, so the chunk
+    cache can learn a prompt's untokenized chunks from them (orchestrator/token_cache.py, `learn`)."""
+    from array import array
+
+    from orchestrator.token_cache import ChunkedTokenizer
+    from orchestrator.tokenizer import load_tokenizer
+    from workers.sim.backend import SIM_TOKENIZER_DIR
+
+    tok = load_tokenizer(engine.cfg.model if engine.name == "vllm" else str(SIM_TOKENIZER_DIR))
+    msgs = [{"role": "user", "content": "\n".join(f"Line {i} says the quick brown fox jumps again." for i in range(8))}]
+    role = stream_chunks(engine, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "return_token_ids": True})[0]
+    text = tok.render_chat(msgs)
+    assert role["prompt_token_ids"] == tok.encode_chat(msgs)
+    cached = ChunkedTokenizer(tok, 1 << 20, chunk_chars=48)
+    assert cached.chunkable(text, False), cached.reason
+    p = cached.begin(text, False, first=1)
+    assert len(p.chunks) >= 4
+    assert cached.learn(p, 1, len(p.ids), array("I", role["prompt_token_ids"]).tobytes()) == len(p.chunks) - 1
+    assert cached.learns and list(cached.begin(text, False).ids) == role["prompt_token_ids"]
+
+
 def test_without_return_token_ids_the_ids_are_null(engine):
     full = post(engine, "/v1/completions", {"prompt": TEXT, "max_tokens": 2}).json()
     assert (full["choices"][0]["token_ids"], full["choices"][0]["prompt_token_ids"]) == (None, None)

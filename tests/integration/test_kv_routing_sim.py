@@ -108,8 +108,10 @@ async def test_hot_prefix_spreads_under_load(stack):
     assert best_blocks > chosen_blocks  # the spread shows as affinity given up for load
 
 
-def metric_sum(metrics_text: str, name: str) -> float:
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics_text.splitlines() if ln.startswith(name + "{"))
+def metric_sum(metrics_text: str, name: str, labels: str | None = None) -> float:
+    """The sum of a metric's samples (`labels`: only the sample with exactly these labels; "" for an unlabelled one)."""
+    start = name + "{" if labels is None else (f"{name}{{{labels}}} " if labels else name + " ")
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics_text.splitlines() if ln.startswith(start))
 
 
 async def test_a_lazily_tokenized_prompt_is_counted_as_the_engine_counted_it(stack):
@@ -132,3 +134,35 @@ async def test_a_lazily_tokenized_prompt_is_counted_as_the_engine_counted_it(sta
     assert counted > 3 * 1900
     after = metric_sum((await client.get(url + "/metrics")).text, "kvyard_input_sequence_tokens_sum")
     assert after - before == counted
+
+
+async def test_a_long_prompt_left_untokenized_is_learned_from_the_engine(stack):
+    """A new long chat is tokenized only as far as routing needs; the engine (the sim in vLLM's flavor) sends the
+    whole prompt's ids back on its first chunk, and the frontend caches the rest's chunks from them
+    (orchestrator/token_cache.py, `learn`): the next turn, which repeats that text, tokenizes only its new part."""
+    client, url, _ = stack
+
+    async def chunks() -> dict[str, float]:
+        text = (await client.get(url + "/metrics")).text
+        got = {s: metric_sum(text, "kvyard_prompt_chunks_total", f'source="{s}"') for s in ("cached", "tokenized", "learned")}
+        return got | {"refused": metric_sum(text, "kvyard_prompt_learn_refused_total", "")}
+
+    async def chat(messages) -> None:
+        body = {"model": "kvyard-sim", "messages": messages, "max_tokens": 3, "stream": True}
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            assert [x async for x in r.aiter_lines() if x][-1] == "data: [DONE]"
+
+    before = await chunks()
+    turn = [{"role": "user", "content": prefix(700) + "\nSummarize the facts above, please."}]
+    await chat(turn)
+    deadline = time.monotonic() + 10
+    while (now := await chunks())["learned"] == before["learned"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # learned on the frontend's thread pool, after the first chunk
+    first = {k: now[k] - before[k] for k in now}
+    assert first["learned"] >= 5 and first["tokenized"] <= 3 and first["refused"] == 0, first
+    turn2 = turn + [{"role": "assistant", "content": "They are recorded."}, {"role": "user", "content": "And fact700-7?"}]
+    await chat(turn2)
+    second = {k: v - now[k] for k, v in (await chunks()).items()}
+    # the history's chunks come from the cache; only the chunk where the new turn starts is tokenized
+    assert second["cached"] >= first["learned"] and second["tokenized"] <= 2 and second["refused"] == 0, second

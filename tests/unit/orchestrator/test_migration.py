@@ -444,7 +444,7 @@ def test_the_tracker_drops_the_prompt_ids_of_a_role_chunk(buffer):
         separators=(",", ":")).encode()
     tok = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":" a"},"token_ids":[11]}]}'
     t = StreamTracker(buffer)
-    whole = StreamTracker(lambda limit, on_full: buffer(limit, on_full, big=1 << 30))  # keeps every event whole
+    whole = StreamTracker(lambda limit, on_full, big, on_ids: buffer(limit, on_full, 1 << 30, on_ids))  # every event whole
     t.feed(role)
     assert t._pending.nbytes < 400 and len(t._pending) == 1  # kept small, not decoded on the spot
     t.feed(tok)
@@ -471,16 +471,20 @@ def test_the_c_event_buffer_matches_the_python_one(seed):
 
     rng = random.Random(seed)
     ids = b",".join(b"%d" % rng.randrange(1 << 20) for _ in range(rng.randint(0, 3000)))
+    bad = rng.choice([b"1,-2", b"1.5", b"4294967296", b"1,,2", b"", b"x", b"1 2", b"12345678901"])
     atoms = [b'data: {"choices":[{"index":0,"delta":{"content":"x"},"token_ids":[1]}]}',
              b'data: {"prompt_token_ids":[' + ids + b'],"choices":[]}',
              b'data: {"choices":[{"prompt_token_ids":[' + ids + b'],"text":"\\"prompt_token_ids\\":[9]"}],"prompt_token_ids":[1,2]}',
              b'data: {"prompt_token_ids":[' + ids,  # an array that never closes
+             b'data: {"prompt_token_ids":[' + bad + b'],"later":{"prompt_token_ids":[ 4294967295 ,0\t]}}' + b" " * 5000,
              b"data: " + b"y" * rng.randint(0, 9000), b""]
     limit, big = rng.choice([64, 1000, 1 << 16]), rng.choice([0, 16, 4096])
+    offered = rng.random() < 0.7
 
     def run(cls):
         log: list = []
-        buf = cls(limit, lambda: log.append(("full", buf.nbytes, len(buf))), big=big)
+        buf = cls(limit, lambda: log.append(("full", buf.nbytes, len(buf))), big,
+                  (lambda ids: log.append(("ids", ids))) if offered else None)
         for _ in range(rng2.randint(1, 60)):
             buf.feed(rng2.choice(atoms))
             log.append(("kept", buf.nbytes, len(buf)))
@@ -495,3 +499,35 @@ def test_the_c_event_buffer_matches_the_python_one(seed):
     assert run(_migration.EventBuffer) == py
     with pytest.raises(TypeError):
         _migration.EventBuffer(10, lambda: None).feed("text")
+
+
+@pytest.mark.parametrize("buffer", BUFFERS)
+def test_the_buffer_hands_on_the_prompt_ids_once(buffer, monkeypatch, caplog):
+    """on_prompt_ids gets the first parsable prompt_token_ids array of a big event, as native uint32s, once; a
+    callback that raises breaks nothing (the event is kept as without it)."""
+    from array import array
+
+    got = []
+    buf = buffer(1 << 16, lambda: None, 64, got.append)
+    small = b'data: {"prompt_token_ids":[1,2]}'
+    buf.feed(small)  # not big: kept whole, nothing offered
+    assert got == [] and buf.take() == [small]
+    pad = b"," + b'"p":"' + b"z" * 100 + b'"}'
+    buf.feed(b'data: {"prompt_token_ids":[1,x],"choices":[]' + pad)  # unparsable: not offered, still cut
+    buf.feed(b'data: {"prompt_token_ids":[ 7, 4294967295,0 ],"choices":[]' + pad)
+    buf.feed(b'data: {"prompt_token_ids":[8],"choices":[]' + pad)  # once only
+    assert [array("I", g).tolist() for g in got] == [[7, 4294967295, 0]]
+    assert [ev.startswith(b'data: {"prompt_token_ids":null') for ev in buf.take()] == [True, True, True]
+
+    def boom(ids):
+        raise ValueError("learning failed")
+
+    unraisable = []
+    monkeypatch.setattr("sys.unraisablehook", unraisable.append)
+    loud = buffer(1 << 16, lambda: None, 64, boom)
+    loud.feed(b'data: {"prompt_token_ids":[3],"choices":[]' + pad)  # reported, not raised
+    assert loud.take() == [b'data: {"prompt_token_ids":null,"choices":[]' + pad]
+    assert [type(u.exc_value) for u in unraisable] == [ValueError] or "on_prompt_ids failed" in caplog.text
+    t = StreamTracker(buffer, on_prompt_ids=got.append)
+    t.feed(b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}],"prompt_token_ids":[5,6],"p":"' + b"z" * 5000 + b'"}')
+    assert array("I", got[-1]).tolist() == [5, 6] and t.id == "c"

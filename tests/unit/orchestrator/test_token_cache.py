@@ -353,3 +353,105 @@ async def test_a_conversation_counted_once_is_not_counted_again_for_a_limit(tok)
         assert len(tok.encode_chat(msgs2)) <= p2.partial.upper
     finally:
         prep.close()
+
+
+# ---- learning the untokenized chunks from the engine's ids (ChunkedTokenizer.learn)
+
+def _engine_ids(ids) -> bytes:
+    from array import array
+    return array("I", ids).tobytes()
+
+
+def _lazy(tok, text: str, chunk_chars: int = 256):
+    cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=chunk_chars)
+    p = cached.begin(text, False)
+    assert not p.complete and p.done >= 1
+    return cached, p
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_learned_chunks_are_the_ids_tokenizing_would_give(tok, seed):
+    """The engine's ids of the whole prompt fill the chunks left untokenized; the text's next sight is then all cached,
+    with exactly the tokenizer's ids, and nothing more is encoded."""
+    rng = random.Random(seed)
+    text = _self_test_text(rng, 6000)
+    want = whole(tok, text)
+    cached, p = _lazy(tok, text)
+    rest = len(p.chunks) - p.done
+    assert cached.learns and cached.learn(p, p.done, len(p.ids), _engine_ids(want)) == rest
+    assert cached.learned == rest and cached.learn_refused == 0
+    misses = cached.misses
+    again = cached.begin(text, False)
+    assert again.complete and list(again.ids) == want and cached.misses == misses
+    assert cached.learn(p, p.done, len(p.ids), _engine_ids(want)) == 0  # known already: nothing new
+
+
+def test_the_engine_ids_of_another_text_teach_nothing(tok):
+    text = _self_test_text(random.Random(7), 6000)
+    want = whole(tok, text)
+    cached, p = _lazy(tok, text)
+    done, n = p.done, len(p.ids)
+    other = text[:-40] + "x" + text[-39:]  # one character changed near the end
+    cases = [
+        [1] + want,                           # a BOS the engine added
+        [want[0] + 1] + want[1:],             # the tokenized part differs
+        whole(tok, other),                    # another text (another chat rendering)
+        want[:-1],                            # cut short
+        want + [want[-1]],                    # one token more
+        want[:n],                             # nothing past the tokenized part
+        want[:-1] + [10 ** 9],                # an id the vocabulary lacks
+    ]
+    for ids in cases:
+        assert cached.learn(p, done, n, _engine_ids(ids)) == 0
+    assert cached.learn_refused == len(cases) and cached.learned == 0 and cached.learns
+    misses = cached.misses
+    assert cached.begin(text, False).complete and cached.misses > misses  # its second sight tokenizes the rest
+
+
+def test_a_token_across_a_cut_teaches_nothing(tok):
+    """The same bytes, but a token spanning the boundary of two chunks: not the exact-cut tokenization."""
+    from orchestrator.token_cache import _TokenBytes
+
+    text = _self_test_text(random.Random(8), 6000)
+    want = whole(tok, text)
+    cached, p = _lazy(tok, text)
+    table = cached._table()
+    k = p.done + 2  # a later chunk's start: the audit (first chunk learned) passes
+    at = sum(len(tok.encode(c, False)) for c in p.chunks[:k])  # the first token of chunk k
+    pieces = {i: table.blob[table.starts[i]:table.starts[i] + table.lens[i]].tobytes() for i in set(want)}
+    span = pieces[want[at - 1]] + pieces[want[at]]
+    cached._bytes = _TokenBytes({**pieces, 1 << 20: span})  # a vocabulary with one token across the cut
+    ids = want[:at - 1] + [1 << 20] + want[at + 1:]
+    assert cached.learn(p, p.done, len(p.ids), _engine_ids(ids)) == 0 and cached.learn_refused == 1
+    cached._bytes = table
+    assert cached.learn(p, p.done, len(p.ids), _engine_ids(want)) > 0
+
+
+def test_an_engine_with_another_tokenizer_turns_learning_off(tok):
+    """Byte for byte the same text, but one byte a token (what another vocabulary could give): the audit of the
+    first learned prompt tokenizes its first chunk, sees other ids, and learning stops."""
+    text = _self_test_text(random.Random(9), 6000)
+    want = whole(tok, text)
+    cached, p = _lazy(tok, text)
+    table = cached._table()
+    byte_id = {table.blob[table.starts[i]:table.starts[i] + table.lens[i]].tobytes(): i
+               for i in range(table.lens.size) if table.lens[i] == 1}
+    rest = "".join(p.chunks[p.done:]).encode()
+    bytewise = list(p.ids) + [byte_id[rest[i:i + 1]] for i in range(len(rest))]
+    assert cached.learn(p, p.done, len(p.ids), _engine_ids(bytewise)) == 0
+    assert not cached.learns and "differ" in cached.learn_reason and cached.learned == 0
+    assert cached.learn(p, p.done, len(p.ids), _engine_ids(want)) == 0  # off for good
+
+
+def test_learning_needs_a_table_that_spells_the_text():
+    """A vocabulary whose tokens do not spell the text byte for byte (here: a lowercasing normalizer) is not learned
+    from; a byte-level one is."""
+    from tokenizers import normalizers
+
+    from orchestrator.token_cache import _TokenBytes
+
+    t = _gpt2_style()
+    assert _TokenBytes.of(t)[1] is None
+    t.normalizer = normalizers.Lowercase()
+    table, why = _TokenBytes.of(t)
+    assert table is None and "spell" in why
