@@ -512,6 +512,7 @@ async def measure(router: Router, fleet: Fleet, run) -> dict:
     start_time..end_time, so aiperf's start-up and shut-down are left out)."""
     await asyncio.sleep(0.5)
     c0, la0 = await fleet.counters(), os.getloadavg()[0]
+    chunks0 = await prompt_chunks(router)
     samples: list[tuple[float, float]] = []
 
     async def sample() -> None:
@@ -533,6 +534,9 @@ async def measure(router: Router, fleet: Fleet, run) -> dict:
     c1 = await fleet.counters()
     dh, dq = c1["hits"] - c0["hits"], c1["queries"] - c0["queries"]
     s.update(cost_row(s, cpu1 - cpu0))
+    chunks1 = await prompt_chunks(router)
+    if chunks1:  # kvyard: where long prompts' chunk ids came from over the run
+        s["prompt_chunks"] = {k: v - chunks0.get(k, 0) for k, v in chunks1.items()}
     s.update({"hit_rate": round(dh / dq, 4) if dq else None, "cache_hit_tokens": dh, "cache_query_tokens": dq,
               "loadavg_start": round(la0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
               "box_cpu_busy": busy_share(box0, box1)})
@@ -542,10 +546,30 @@ async def measure(router: Router, fleet: Fleet, run) -> dict:
     return s
 
 
+async def prompt_chunks(router: Router) -> dict[str, float]:
+    """kvyard's kvyard_prompt_chunks_total by source, and kvyard_prompt_learn_refused_total as "refused" (outside the
+    CPU window); {} for the peers and for trees without them."""
+    if not router.label.startswith("kvyard"):
+        return {}
+    async with httpx.AsyncClient(timeout=10) as c:
+        text = (await c.get(router.url + "/metrics")).text
+    out = {}
+    for ln in text.splitlines():
+        if ln.startswith('kvyard_prompt_chunks_total{source="'):
+            out[ln.split('"')[1]] = float(ln.rsplit(" ", 1)[1])
+        elif ln.startswith("kvyard_prompt_learn_refused_total "):
+            out["refused"] = float(ln.rsplit(" ", 1)[1])
+    return out
+
+
 async def warm(router: Router) -> None:
-    """A few short streams, so first-request costs (connections, tokenizer load) stay out of the measurement."""
+    """A few short streams, then one long prompt of its own text (~30k characters, that no workload sends), so
+    first-request costs (connections, tokenizer load, the long prompts' chunk cache and its checks) stay out of the
+    measurement."""
     bodies = [chat_body(f"warm up {i}", 8) for i in range(8)]
     await closed_loop(router.url, bodies, 4)
+    await closed_loop(router.url, [chat_body("".join(f"Warm-up line {i} of a long prompt.\n" for i in range(1000)), 2)], 1)
+    await asyncio.sleep(1.0)  # what the frontend does after the answer (learning its ids) ends before the window
 
 
 # ---------------------------------------------------------------- main
@@ -680,6 +704,12 @@ def write_report(out: dict, name: str) -> None:
                f"{t['isl_max']:,} tokens; shared prefixes), {t['span_s']} s open loop (trace time / {t['compression']:g}), "
                f"engines at speed-up {t['speedup']:g}, OSL × {t['osl_scale']:g}", ""]
         md += table(t["runs"]) + [""] + ratio_table(t["ratios"]) + [""]
+        known = {k: r["prompt_chunks"] for k, r in t["runs"].items() if r.get("prompt_chunks")}
+        if known:
+            md += ["Long prompts' chunks (kvyard's `kvyard_prompt_chunks`), by where their ids came from:", "",
+                   "| router | from the cache | tokenized | learned from the engine | engine answers refused |", "|---|---|---|---|---|"]
+            md += [f"| {k} | {c.get('cached', 0):,.0f} | {c.get('tokenized', 0):,.0f} | {c.get('learned', 0):,.0f} | "
+                   f"{c.get('refused', 0):,.0f} |" for k, c in known.items()] + [""]
     if "stream" in wl:
         s = wl["stream"]
         for conc, lv in s["levels"].items():

@@ -197,34 +197,53 @@ class _TokenBytes:
     """Each token id's bytes (the UTF-8 text it stands for), from the vocabulary: GPT-2's byte alphabet mapped back
     for a ByteLevel decoder, the string's UTF-8 otherwise, added tokens as their content. `of` self-tests the table."""
 
-    def __init__(self, pieces: dict[int, bytes]) -> None:
-        size = max(pieces, default=-1) + 1
+    def __init__(self, ids: np.ndarray, lens: np.ndarray, blob: bytes) -> None:
+        """Token ids[k] is lens[k] bytes of blob, the tokens' bytes end to end in that order."""
+        size = int(ids.max()) + 1 if ids.size else 0
         self.lens = np.zeros(size, dtype=np.int64)  # 0: no such id (every token covers at least one byte)
         self.starts = np.zeros(size, dtype=np.int64)
-        blob, at = [], 0
-        for i, b in sorted(pieces.items()):
-            self.lens[i], self.starts[i] = len(b), at
-            blob.append(b)
-            at += len(b)
-        self.blob = np.frombuffer(b"".join(blob), dtype=np.uint8)
+        self.lens[ids] = lens
+        self.starts[ids] = np.cumsum(lens) - lens
+        self.blob = np.frombuffer(blob, dtype=np.uint8)
+
+    @classmethod
+    def of_pieces(cls, pieces: dict[int, bytes]) -> "_TokenBytes":
+        ids = np.fromiter(pieces.keys(), dtype=np.int64, count=len(pieces))
+        lens = np.fromiter(map(len, pieces.values()), dtype=np.int64, count=len(pieces))
+        return cls(ids, lens, b"".join(pieces.values()))
 
     @classmethod
     def of(cls, raw) -> tuple["_TokenBytes | None", str | None]:
         """(the table, None) for a tokenizers.Tokenizer whose ids it spells back into their text, else (None, why
-        not). A vocabulary in GPT-2's byte alphabet is read as bytes, else as UTF-8 strings; the self-test decides."""
-        back = {c: b for b, c in _bytes_to_unicode().items()}
+        not). A vocabulary in GPT-2's byte alphabet is read as bytes (one character a byte), else as UTF-8 strings;
+        the self-test decides. Made with a few large objects, not one per token (~0.1 s for a 100k vocabulary)."""
         added = {i: t.content.encode("utf-8", "surrogatepass") for i, t in raw.get_added_tokens_decoder().items()}
-        vocab = [(i, text) for text, i in raw.get_vocab(with_added_tokens=False).items() if i not in added]
-        readings = []
-        if all(c in back for _, text in vocab for c in text):
-            readings.append({i: bytes(back[c] for c in text) for i, text in vocab})
-        readings.append({i: text.encode("utf-8", "surrogatepass") for i, text in vocab})
+        vocab = {i: text for text, i in raw.get_vocab(with_added_tokens=False).items() if i not in added}
+        ids = np.fromiter([*vocab.keys(), *added.keys()], dtype=np.int64, count=len(vocab) + len(added))
+        tail_lens = [len(b) for b in added.values()]
+        tail = b"".join(added.values())
         rng = random.Random(23)
         texts = [_self_test_text(rng, 300) for _ in range(8)]
-        ids = [np.asarray(e.ids, dtype=np.uint32) for e in raw.encode_batch(texts, add_special_tokens=False)]
-        for pieces in readings:
-            table = cls({**pieces, **added})
-            if all(table.bytes_of(i) == t.encode("utf-8", "surrogatepass") for i, t in zip(ids, texts)):
+        tests = [(np.asarray(e.ids, dtype=np.uint32), t.encode("utf-8", "surrogatepass"))
+                 for e, t in zip(raw.encode_batch(texts, add_special_tokens=False), texts)]
+
+        def byte_level() -> "_TokenBytes | None":
+            # GPT-2's alphabet back to bytes (as latin-1 characters); any other character to one latin-1 refuses
+            back = {ord(c): chr(b) for b, c in _bytes_to_unicode().items()}
+            back.update((c, "\uffff") for c in range(256) if c not in back)
+            try:
+                blob = "".join(vocab.values()).translate(back).encode("latin-1")
+            except UnicodeEncodeError:
+                return None
+            lens = np.fromiter([*map(len, vocab.values()), *tail_lens], dtype=np.int64, count=ids.size)
+            return cls(ids, lens, blob + tail)
+
+        def utf8() -> "_TokenBytes":
+            return cls.of_pieces({**{i: t.encode("utf-8", "surrogatepass") for i, t in vocab.items()}, **added})
+
+        for reading in (byte_level, utf8):
+            table = reading()
+            if table is not None and all(table.bytes_of(i) == want for i, want in tests):
                 return table, None
         return None, "the token bytes do not spell the text (a normalizer, or no byte-level or UTF-8 vocabulary)"
 

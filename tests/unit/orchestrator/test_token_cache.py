@@ -420,7 +420,7 @@ def test_a_token_across_a_cut_teaches_nothing(tok):
     at = sum(len(tok.encode(c, False)) for c in p.chunks[:k])  # the first token of chunk k
     pieces = {i: table.blob[table.starts[i]:table.starts[i] + table.lens[i]].tobytes() for i in set(want)}
     span = pieces[want[at - 1]] + pieces[want[at]]
-    cached._bytes = _TokenBytes({**pieces, 1 << 20: span})  # a vocabulary with one token across the cut
+    cached._bytes = _TokenBytes.of_pieces({**pieces, 1 << 20: span})  # a vocabulary with one token across the cut
     ids = want[:at - 1] + [1 << 20] + want[at + 1:]
     assert cached.learn(p, p.done, len(p.ids), _engine_ids(ids)) == 0 and cached.learn_refused == 1
     cached._bytes = table
