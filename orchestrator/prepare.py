@@ -235,9 +235,10 @@ class PromptPreparer:
         """For a prompt left partly untokenized, where the chunk cache can learn: a callback that takes the engine's
         ids of the whole prompt (native uint32s, from the stream's first chunk: resilience/migration.py's
         `on_prompt_ids`) and caches the untokenized chunks' ids on the thread pool (ChunkedTokenizer.learn), so the
-        text's next sight costs no tokenizing. None otherwise."""
+        text's next sight costs no tokenizing. None otherwise, and for a prompt routed without ids (a policy with no
+        index tokenizes nothing: header, 4)."""
         p, chunked = prompt.partial, prompt.chunked
-        if not self.learn or p is None or p.complete or chunked is None or not chunked.learns:
+        if not self.learn or p is None or p.complete or not p.done or chunked is None or not chunked.learns:
             return None
         done, n = p.done, len(p.ids)  # as routed; a migration's `complete` only appends to p.ids after this
 

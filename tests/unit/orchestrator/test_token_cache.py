@@ -455,3 +455,35 @@ def test_learning_needs_a_table_that_spells_the_text():
     t.normalizer = normalizers.Lowercase()
     table, why = _TokenBytes.of(t)
     assert table is None and "spell" in why
+
+
+async def test_the_preparer_learns_what_it_left_untokenized(tok):
+    """`learner` is there only for a prompt routed on some ids and left incomplete; its callback learns on the thread
+    pool, and the same chat then needs no tokenizing."""
+    import asyncio
+    from array import array
+
+    req, want = _long_chat(tok, random.Random(24))
+    prep = _preparer()
+    off = _preparer(learn=False)
+    try:
+        p = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: lambda ids: False)
+        assert not p.complete and p.partial.done >= 1
+        assert (await off.prompt_ids(req, "m", 1 << 20, how_far=lambda: lambda ids: False)) and off.learner(p) is None
+        unrouted = await prep.prompt_ids(_long_chat(tok, random.Random(25))[0], "m", 1 << 20, how_far=lambda: None)
+        assert prep.learner(unrouted) is None  # no ids needed, none learned
+        learn = prep.learner(p)
+        cache = p.chunked
+        learn(array("I", want).tobytes())
+        for _ in range(200):
+            if cache.learned:
+                break
+            await asyncio.sleep(0.01)
+        assert cache.learned == len(p.partial.chunks) - p.partial.done
+        misses = cache.misses
+        again = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: lambda ids: False)
+        assert again.complete and list(again.ids) == want and cache.misses == misses
+        assert prep.learner(again) is None  # complete: nothing to learn
+    finally:
+        prep.close()
+        off.close()
