@@ -51,6 +51,7 @@ import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
@@ -243,31 +244,43 @@ class _TokenBytes:
 
         for reading in (byte_level, utf8):
             table = reading()
-            if table is not None and all(table.bytes_of(i) == want for i, want in tests):
+            if table is not None and all(table.cuts(i, want, [len(want)]) is not None for i, want in tests):
                 return table, None
         return None, "the token bytes do not spell the text (a normalizer, or no byte-level or UTF-8 vocabulary)"
 
-    def ends(self, ids: np.ndarray) -> np.ndarray | None:
-        """Where each token's bytes end, from the start of the first (None if an id is unknown)."""
-        if ids.size and int(ids.max()) >= self.lens.size:
-            return None
-        lens = self.lens[ids]
-        if ids.size and not lens.all():
-            return None
-        return np.cumsum(lens)
+    def cuts(self, ids, text: bytes, cuts: list[int]) -> list[int] | None:
+        """The number of tokens before each cut (ascending byte offsets into text, the last len(text)) when the ids'
+        bytes end to end are exactly text with a token boundary at every cut, else None (also for an unknown id)."""
+        return token_cuts(ids, self.starts, self.lens, self.blob, text, cuts)
 
-    def bytes_of(self, ids: np.ndarray, ends: np.ndarray | None = None) -> bytes | None:
-        """The tokens' bytes end to end (None if an id is unknown)."""
-        if ends is None:
-            ends = self.ends(ids)
-            if ends is None:
-                return None
-        if not ids.size:
-            return b""
-        lens = self.lens[ids]
-        # byte k of the output is blob[starts[id] + (k - where that token's bytes begin in the output)]
-        at = np.repeat(self.starts[ids] - (ends - lens), lens) + np.arange(int(ends[-1]), dtype=np.int64)
-        return self.blob[at].tobytes()
+
+def _token_cuts(ids, starts: np.ndarray, lens: np.ndarray, blob: np.ndarray, text: bytes, cuts: list[int]) -> list[int] | None:
+    """`_TokenBytes.cuts` with numpy: the Python twin of orchestrator._relaycore.token_cuts (tests run both)."""
+    ids = np.frombuffer(ids, dtype=np.uint32)
+    if len(starts) != len(lens) or (ids.size and int(ids.max()) >= lens.size):
+        return None
+    n = lens[ids]
+    if not n.all() or (ids.size and int((starts[ids] + n).max()) > blob.size):
+        return None
+    ends = np.cumsum(n)
+    if (int(ends[-1]) if ids.size else 0) != len(text):
+        return None
+    # byte k of the spelling is blob[starts[id] + (k - where that token's bytes begin)]
+    at = np.repeat(starts[ids] - (ends - n), n) + np.arange(len(text), dtype=np.int64)
+    if blob[at].tobytes() != text:
+        return None
+    if not cuts:
+        return []
+    last = np.searchsorted(ends, cuts)  # the token that ends at (or spans) each cut
+    if int(last.max()) >= ends.size or not np.array_equal(ends[last], cuts):
+        return None
+    return (last + 1).tolist()
+
+
+try:  # the same check in C, ~10x less CPU (setup.py builds it; without a compiler the twin above serves)
+    from orchestrator._relaycore import token_cuts
+except ImportError:  # pragma: no cover - depends on the build
+    token_cuts = _token_cuts
 
 
 _AUDIT_EVERY = 32  # learned prompts between two audits (module header)
@@ -435,16 +448,13 @@ class ChunkedTokenizer:
         if not rest or ids.size <= n or ids[:n].tobytes() != (mine if isinstance(mine, array) else array("I", mine)).tobytes():
             return self._refused()
         tail = ids[n:]
-        ends = table.ends(tail)
-        want = [c.encode("utf-8", "surrogatepass") for c in rest]
-        cuts = np.cumsum([len(w) for w in want])
-        if ends is None or ends[-1] != cuts[-1] or table.bytes_of(tail, ends) != b"".join(want):
-            return self._refused()
-        last = np.searchsorted(ends, cuts)  # the token that ends each chunk
-        if not np.array_equal(ends[last], cuts):  # a token across a cut: not tokenized as exact cuts say
+        # each chunk's UTF-8 length (an ASCII chunk's is its length: str.isascii is a flag) and end in the rest's bytes
+        cuts = list(accumulate(len(c) if c.isascii() else len(c.encode("utf-8", "surrogatepass")) for c in rest))
+        counts = table.cuts(tail, "".join(rest).encode("utf-8", "surrogatepass"), cuts)
+        if counts is None:  # not this text, or a token across a cut: not tokenized as exact cuts say
             return self._refused()
         parts, start = [], 0
-        for stop in (last + 1).tolist():
+        for stop in counts:
             part = array("I")
             part.frombytes(tail[start:stop].tobytes())
             parts.append(part)

@@ -487,3 +487,41 @@ async def test_the_preparer_learns_what_it_left_untokenized(tok):
     finally:
         prep.close()
         off.close()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_c_token_cuts_match_the_numpy_twin(tok, seed):
+    """orchestrator._relaycore.token_cuts and token_cache._token_cuts give the same answer: real spellings with their
+    chunk cuts, and spoilt ones (an unknown id, a changed byte, a cut inside a token, a short or long text)."""
+    import numpy as np
+
+    from orchestrator import token_cache
+
+    if token_cache.token_cuts is token_cache._token_cuts:
+        pytest.skip("orchestrator._relaycore not built")
+    rng = random.Random(seed)
+    table = ChunkedTokenizer(tok, 1 << 20, chunk_chars=64)._table()
+    text = _self_test_text(rng, rng.randint(0, 400))
+    chunks = [text[a:b] for a, b in zip([0, *exact_cuts(text, 64)], [*exact_cuts(text, 64), len(text)])] if text else []
+    ids = np.asarray([i for c in chunks for i in whole(tok, c)], dtype=np.uint32)
+    raw = text.encode("utf-8", "surrogatepass")
+    cuts = [len("".join(chunks[:k + 1]).encode("utf-8", "surrogatepass")) for k in range(len(chunks))]
+    spoilt = rng.choice(["none", "id", "byte", "cut", "short", "long", "cuts"])
+    if spoilt == "id" and ids.size:
+        ids[rng.randrange(ids.size)] = rng.choice([table.lens.size, 2 ** 32 - 1])
+    elif spoilt == "byte" and raw:
+        k = rng.randrange(len(raw))
+        raw = raw[:k] + bytes([raw[k] ^ 1]) + raw[k + 1:]
+    elif spoilt == "cut" and cuts:
+        cuts[rng.randrange(len(cuts))] -= 1
+    elif spoilt == "short":
+        raw = raw[:-1]
+    elif spoilt == "long":
+        raw += b"x"
+    elif spoilt == "cuts":
+        cuts = cuts[:-1]
+    args = (ids, table.starts, table.lens, table.blob, raw, cuts)
+    got = token_cache.token_cuts(*args)
+    assert got == token_cache._token_cuts(*args)
+    if spoilt == "none":
+        assert got == [sum(len(whole(tok, c)) for c in chunks[:k + 1]) for k in range(len(chunks))]
