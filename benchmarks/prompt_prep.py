@@ -5,11 +5,13 @@ lazy, and with each encoder (Hugging Face `tokenizers`, or tiktoken's core where
 
 In one process, no HTTP and no engine, so the figure is the prepare step alone (orchestrator/prepare.py):
 `PromptPreparer.prompt_ids` per request, CPU time of the process (all its threads: the thread pool tokenizes) from
-time.process_time. Four modes, alternated within each round (their order rotated) on the same prompts:
+time.process_time. Five modes, alternated within each round (their order rotated) on the same prompts:
   eager   every prompt token, as before lazy tokenizing (and as the frontend still does for workers without KV events)
   lazy    the kv policy's probe (Router.prefix_cached) against a KV index that holds every prompt sent before, whole,
           as the engines' KV events would (each prompt's full blocks are stored after it is prepared)
-each with the encoder `hf` (frontend.fast_bpe: false) and `fast` (the default; the same ids).
+  learn   lazy, then the chunk cache learns what was left untokenized from the prompt's whole ids, as from vLLM's
+          answer (ChunkedTokenizer.learn, timed with the prompt; the C parse of the ids on the relay, ~30 us, is not)
+each with the encoder `hf` (frontend.fast_bpe: false) and `fast` (the default; the same ids); learn with fast only.
 Workloads (text: words drawn from the sim tokenizer's vocabulary, seeded; the sim's cl100k tokenizer):
   multi-turn  8 conversations x 5 turns: a ~4k-token system prompt shared by all, a ~14k-token document of its own,
               then every turn re-sends the history plus one more assistant/user exchange (as chat clients do)
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from array import array
 import json
 import random
 import statistics
@@ -76,7 +79,7 @@ def conversations(rng: random.Random, words: list[str], oneshot: bool) -> list[l
     return out
 
 
-MODES = ("lazy-fast", "eager-fast", "lazy-hf", "eager-hf")
+MODES = ("lazy-fast", "eager-fast", "lazy-hf", "eager-hf", "learn-fast")
 
 
 async def run(mode: str, convs: list[list[list[dict]]], tok) -> float:
@@ -93,11 +96,15 @@ async def run(mode: str, convs: list[list[list[dict]]], tok) -> float:
                 if turn >= len(conv):
                     continue
                 req = ChatCompletionRequest.model_validate({"model": "m", "messages": conv[turn]})
+                full = tok.encode_chat(conv[turn])  # what the engine caches and reports (untimed)
+                engine_ids = array("I", full).tobytes()
                 t0 = time.process_time()
-                await prep.prompt_ids(req, "m", 1 << 20, how_far=how_far)
+                got = await prep.prompt_ids(req, "m", 1 << 20, how_far=how_far)
+                if mode.startswith("learn") and prep.learner(got) is not None:
+                    p = got.partial
+                    got.chunked.learn(p, p.done, len(p.ids), engine_ids)  # what the learner runs on the thread pool
                 cpu += time.process_time() - t0
                 n += 1
-                full = tok.encode_chat(conv[turn])  # what the engine caches and reports (untimed)
                 blocks = len(full) // BLOCK
                 index.store("w", list(range(stored, stored + blocks)), None, full[: blocks * BLOCK], BLOCK)
                 stored += blocks
@@ -123,6 +130,9 @@ async def main() -> None:
     hf = load_tokenizer(str(SIM_TOKENIZER_DIR), fast_bpe=False)
     assert tok.wait_fast(120) is not None, tok.fast_reason
     words = _words(tok)
+    warm = PromptPreparer(_Pool(), cache_tokens=2_000_000)
+    warm.chunked(tok)._table()  # the token bytes table, made once per tokenizer in a frontend's life: not timed
+    warm.close()
     result = result_header("prompt_prep") | {"command": "benchmarks/prompt_prep.py " + " ".join(sys.argv[1:]), "workloads": {}}
     for name, oneshot in (("multi-turn", False), ("one-shot", True)):
         per: dict[str, list[float]] = {m: [] for m in MODES}
@@ -135,6 +145,7 @@ async def main() -> None:
         result["workloads"][name] = {"prompt_tokens_mean": round(tokens), "cpu_ms_per_prompt": {m: round(v, 2) for m, v in med.items()},
                                      "rounds": {m: [round(x, 2) for x in v] for m, v in per.items()},
                                      "lazy_over_eager": {e: round(med[f"lazy-{e}"] / med[f"eager-{e}"], 3) for e in ("fast", "hf")},
+                                     "learn_over_lazy": round(med["learn-fast"] / med["lazy-fast"], 3),
                                      "fast_over_hf": {w: round(med[f"{w}-fast"] / med[f"{w}-hf"], 3) for w in ("lazy", "eager")}}
         print(name, result["workloads"][name], flush=True)
     doc = conversations(random.Random(7), words, True)[0][0][-1]["content"]
@@ -155,14 +166,15 @@ async def main() -> None:
     md = [f"# Prompt preparation: eager vs lazy, Hugging Face vs fast encoder ({result['when']})", "", f"    {result['command']}", "",
           "CPU time of the process (all threads) in PromptPreparer.prompt_ids per prompt; median over rounds. Lazy: the kv "
           "policy's probe against an index holding every earlier prompt whole (as the engines' KV events would). hf: "
-          "frontend.fast_bpe off; fast: tiktoken's core (orchestrator/fast_bpe.py), the same ids.", "",
+          "frontend.fast_bpe off; fast: tiktoken's core (orchestrator/fast_bpe.py), the same ids. learn: lazy, then the "
+          "untokenized chunks learned from the prompt's whole ids (ChunkedTokenizer.learn), timed with the prompt.", "",
           "| workload | prompt tokens (mean, last turn) | " + " | ".join(f"{m}: CPU-ms / prompt" for m in MODES)
-          + " | lazy / eager (fast, hf) | fast / hf (lazy, eager) |",
-          "|---|---|" + "---|" * (len(MODES) + 2)]
+          + " | lazy / eager (fast, hf) | fast / hf (lazy, eager) | learn / lazy (fast) |",
+          "|---|---|" + "---|" * (len(MODES) + 3)]
     for name, w in result["workloads"].items():
         c, le, fh = w["cpu_ms_per_prompt"], w["lazy_over_eager"], w["fast_over_hf"]
         md.append(f"| {name} | {w['prompt_tokens_mean']:,} | " + " | ".join(str(c[m]) for m in MODES)
-                  + f" | {le['fast']}, {le['hf']} | {fh['lazy']}, {fh['eager']} |")
+                  + f" | {le['fast']}, {le['hf']} | {fh['lazy']}, {fh['eager']} | {w['learn_over_lazy']} |")
     md += ["", "The encoders alone (PromptTokenizer.count_or_ids on the whole text, no chunk cache), CPU-us per call:", "",
            "| text | tokens | hf | fast | fast / hf |", "|---|---|---|---|---|"]
     for label, e in enc.items():

@@ -25,7 +25,12 @@ for 12.6 s):
      copy sent while the first is still in prefill shares its prefix). The rest is never tokenized unless a
      limit needs its exact length (UTF-8 bytes bound its tokens from above: `PartialIds.upper`) or the stream
      migrates (`complete`); the bound counts the cached chunks of the rest exactly (ChunkedTokenizer.upper),
-     so a conversation's history counted once is not counted again. The token count routing and load use is
+     so a conversation's history counted once is not counted again. A prompt the bound cannot clear but that
+     would fit at ESTIMATE_MARGIN times its estimate (from its own tokenized part's tokens per character) is not
+     counted: every engine refuses a prompt past its context with a 400, and on that 400 `recheck` counts it
+     exactly and gives this frontend's own error (the engine's stands if no limit is broken). The UTF-8 bound
+     is ~4x loose on prose, so without this a one-shot prompt past a quarter of the context was tokenized whole.
+     Not with max_tokens_cap filling in max_tokens (that needs the count) or with nothing tokenized yet. The token count routing and load use is
      then an estimate; the engine's usage replaces it when the request ends (orchestrator/service.py). The kv policy's probe asks its index; a policy
      without one (round-robin, least-loaded) needs no ids (probe None), and EAGER tokenizes it all
      (disaggregated models, workers without KV events whose predicted contents are the routed prompts).
@@ -58,6 +63,7 @@ __all__ = ["PromptPreparer", "PromptTokens", "INLINE_CHARS", "EAGER"]
 log = logging.getLogger("kvyard.prepare")
 
 INLINE_CHARS = 4096  # up to here a prompt is tokenized on the loop (a thread hop would cost more than the encode)
+ESTIMATE_MARGIN = 2  # a prompt that fits at this many times its estimate is not counted exactly for its limits (header, 4)
 EAGER = object()  # how_far() -> EAGER: every token, as routing with predicted cache contents needs
 
 Probe = Callable[[list[int]], bool]  # "every full block of these leading ids is cached on some worker"
@@ -72,6 +78,7 @@ class PromptTokens:
     count: int = 0  # the token count: exact when complete, else an estimate (<= upper)
     partial: PartialIds | None = None  # set while the rest is untokenized
     chunked: ChunkedTokenizer | None = None
+    recheck: tuple | None = None  # (request, ctx, param): its limits were judged on the estimate (`recheck`)
 
     @property
     def complete(self) -> bool:
@@ -216,7 +223,10 @@ class PromptPreparer:
                 return upper + want > ctx or bool(want == 0 and self.max_tokens_cap and ctx - upper < self.max_tokens_cap)
 
             if not p.complete and may_break_a_limit(p.upper) and may_break_a_limit(got.chunked.upper(p)):
-                await self.complete(got)  # a limit needs the exact count
+                if p.done and (want or not self.max_tokens_cap) and not may_break_a_limit(ESTIMATE_MARGIN * p.estimate()):
+                    got.recheck = (req, ctx, param)  # far from the limit by its own density: the engine's 400 rechecks
+                else:
+                    await self.complete(got)  # a limit needs the exact count
             got.count = p.estimate()
             if p.complete and got.count > ctx:
                 raise _too_long(ctx, got.count, None, param)
@@ -249,6 +259,18 @@ class PromptPreparer:
                 pass
 
         return learn
+
+    async def recheck(self, prompt: PromptTokens) -> None:
+        """The engine refused (400) a prompt admitted on its estimate (header, 4): count it exactly, and raise the
+        400 this frontend gives when a limit is broken; otherwise the engine's own refusal stands."""
+        if prompt.recheck is None:
+            return
+        req, ctx, param = prompt.recheck
+        prompt.recheck = None
+        await self.complete(prompt)
+        if prompt.count > ctx:
+            raise _too_long(ctx, prompt.count, None, param)
+        self.check_lengths(req, prompt.count, ctx)
 
     async def complete(self, prompt: PromptTokens) -> list[int]:
         """All of the prompt's ids (tokenizing the rest of a lazy one, on the thread pool; its cached chunks are free)."""

@@ -396,13 +396,18 @@ class InferenceService:
         return d
 
     async def release(self, d: Dispatched, status: str) -> bytes:
-        """Read and close a response that will not be relayed (e.g. the engine's own 4xx)."""
+        """Read and close a response that will not be relayed (e.g. the engine's own 4xx). A 400 for a prompt
+        admitted on its token estimate raises this frontend's context-length error if the exact count breaks a
+        limit (prepare.py, `recheck`)."""
         try:
-            return await d.resp.aread()
+            body = await d.resp.aread()
         finally:
             await d.resp.aclose()
             self.breakers.success(d.endpoint.worker_id)  # it answered: alive
             self._finish(d.rreq, d.t0, status, ticket=d.ticket)
+        if d.resp.status_code == 400 and d.prompt is not None and d.prompt.recheck is not None:
+            await self.prep.recheck(d.prompt)
+        return body
 
     async def handle(self, request: Request, kind: str) -> Response:
         """HTTP: body limits, then dispatch, then SSE or JSON back to the client.

@@ -48,6 +48,7 @@ import json
 import logging
 import random
 import threading
+import weakref
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -284,6 +285,20 @@ except ImportError:  # pragma: no cover - depends on the build
 
 
 _AUDIT_EVERY = 32  # learned prompts between two audits (module header)
+_TABLES: "weakref.WeakKeyDictionary[object, tuple[_TokenBytes | None, str | None]]" = weakref.WeakKeyDictionary()
+_TABLES_LOCK = threading.Lock()  # not a cache's LRU lock: requests tokenize while a table is made
+
+
+def _token_bytes(tok) -> tuple[_TokenBytes | None, str | None]:
+    """_TokenBytes.of(tok.raw), made once per PromptTokenizer (~0.3 s of CPU for a 100k vocabulary) and shared by
+    every chunk cache of it."""
+    with _TABLES_LOCK:
+        got = _TABLES.get(tok)
+        if got is None:
+            got = _TABLES[tok] = _TokenBytes.of(tok.raw)
+            if got[1] is not None:
+                log.info("prompt ids are not learned from the engine for this tokenizer: %s", got[1])
+    return got
 
 
 @dataclass(eq=False)
@@ -353,7 +368,6 @@ class ChunkedTokenizer:
         # learning from the engine's ids (module header): the token bytes, made by the first `learn` (~0.3 s for a
         # 100k vocabulary, off the request path), or why not
         self._bytes: _TokenBytes | None = None
-        self._table_lock = threading.Lock()
         self.learn_reason = self.reason
         self.learned = 0  # chunks
         self.learn_refused = 0  # prompts whose engine ids did not fit their text
@@ -366,11 +380,7 @@ class ChunkedTokenizer:
 
     def _table(self) -> _TokenBytes | None:
         if self._bytes is None and self.learn_reason is None:
-            with self._table_lock:  # not the LRU's lock: requests tokenize meanwhile
-                if self._bytes is None and self.learn_reason is None:
-                    self._bytes, self.learn_reason = _TokenBytes.of(self._tok.raw)
-                    if self.learn_reason is not None:
-                        log.info("prompt ids are not learned from the engine for this tokenizer: %s", self.learn_reason)
+            self._bytes, self.learn_reason = _token_bytes(self._tok)
         return self._bytes if self.learn_reason is None else None
 
     @property

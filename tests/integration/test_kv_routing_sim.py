@@ -166,3 +166,24 @@ async def test_a_long_prompt_left_untokenized_is_learned_from_the_engine(stack):
     second = {k: v - now[k] for k, v in (await chunks()).items()}
     # the history's chunks come from the cache; only the chunk where the new turn starts is tokenized
     assert second["cached"] >= first["learned"] and second["tokenized"] <= 2 and second["refused"] == 0, second
+
+
+async def test_a_prompt_denser_than_its_start_gets_the_frontends_own_context_error(stack):
+    """A long prompt that fits by its estimate (its tokenized start's density) is not counted exactly before it is
+    sent (orchestrator/prepare.py, ESTIMATE_MARGIN); a hostile one, dense past its start, is refused by the engine,
+    and the frontend then counts it and answers with its own context-length error, as when it counted first."""
+    client, url, _ = stack
+    rng = __import__("random").Random(5)
+    start = " ".join(rng.choice(["plain", "words", "first", "then", "more"]) for _ in range(400))
+    content = start + "\n" + "".join(rng.choice("中文字词😀") for _ in range(45000))  # ~45k tokens past 32,768
+    routed = metric_sum((await client.get(url + "/metrics")).text, "kvyard_router_decisions_total")
+    for stream in (False, True):
+        body = {"model": "kvyard-sim", "messages": [{"role": "user", "content": content}], "max_tokens": 8, "stream": stream}
+        r = await client.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+        assert "maximum context length is 32768 tokens" in err["message"] and "your prompt has" in err["message"], err
+    # the first was sent on its estimate and refused by the engine; its recheck cached the whole prompt's chunks, so
+    # the second was counted exactly before it was sent, and refused by the frontend
+    assert metric_sum((await client.get(url + "/metrics")).text, "kvyard_router_decisions_total") == routed + 1

@@ -525,3 +525,53 @@ def test_the_c_token_cuts_match_the_numpy_twin(tok, seed):
     assert got == token_cache._token_cuts(*args)
     if spoilt == "none":
         assert got == [sum(len(whole(tok, c)) for c in chunks[:k + 1]) for k in range(len(chunks))]
+
+
+async def test_a_prompt_far_from_its_limit_by_its_estimate_is_not_counted(tok):
+    """Past the UTF-8 bound but within ESTIMATE_MARGIN x its estimate of the context: admitted on the estimate, with
+    a recheck for the engine's 400; a prompt denser than its start promised (hostile) then gets this frontend's own
+    context-length error from the exact count, and one that fits leaves the engine's refusal standing."""
+    from orchestrator.errors import ContextLengthError
+    from orchestrator.prepare import ESTIMATE_MARGIN
+    from orchestrator.protocol import ChatCompletionRequest
+
+    rng = random.Random(40)
+    vocab = ["token", "words", "cost", "little", "prose", "reads", "cheap"]
+    words, more = (" ".join(rng.choice(vocab) for _ in range(6000)) for _ in range(2))
+    dense = "".join(random.Random(41).choice("中文😀字") for _ in range(40000))  # ~1 token a character
+    for content, tight in ((words + "\n" + more, False), (words + "\n" + dense, True)):
+        msgs = [{"role": "user", "content": content}]
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "max_tokens": 16})
+        n = len(tok.encode_chat(msgs))
+        first = _preparer()
+        try:  # the estimate (its own first chunk's density), far from any limit
+            est = (await first.prompt_ids(req, "m", 1 << 30, how_far=lambda: lambda ids: False)).count
+        finally:
+            first.close()
+        # within the margin, under the byte bound (without the estimate: counted exactly); the dense one cannot fit
+        ctx = ESTIMATE_MARGIN * est + 100
+        assert ctx < len(content.encode()) and (n > ctx if tight else n + 16 <= ctx)
+        prep = _preparer()
+        try:
+            p = await prep.prompt_ids(req, "m", ctx, how_far=lambda: lambda ids: False)
+            assert not p.complete and p.recheck is not None and ESTIMATE_MARGIN * p.count + 16 <= ctx
+            if tight:
+                with pytest.raises(ContextLengthError):
+                    await prep.recheck(p)
+            else:
+                await prep.recheck(p)  # fits: the engine's own 400 stands
+                assert p.complete and p.count == n
+            assert p.recheck is None
+            # max_tokens_cap filling max_tokens needs the count: exact, as before
+            capped = _preparer(max_tokens_cap=ctx)
+            bare = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
+            try:
+                if tight:
+                    with pytest.raises(ContextLengthError):
+                        await capped.prompt_ids(bare, "m", ctx, how_far=lambda: lambda ids: False)
+                else:
+                    assert (await capped.prompt_ids(bare, "m", ctx, how_far=lambda: lambda ids: False)).complete
+            finally:
+                capped.close()
+        finally:
+            prep.close()
