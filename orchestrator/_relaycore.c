@@ -1008,7 +1008,7 @@ static PyTypeObject ChunkWriterType = {
        lens 0 for an unknown id); text: bytes; cuts: ascending byte offsets into text, the last len(text). The ids'
        bytes end to end must be exactly text and each cut must fall between two tokens: then the number of tokens
        before each cut, else None. The Python twin is token_cache._token_cuts (numpy): ChunkedTokenizer.learn runs
-       this once per learned prompt, ~15k tokens, where the twin spent ~0.6 ms. */
+       this once per learned prompt (~15k ids), where the twin gathers every byte with numpy. */
 
 static PyObject *
 token_cuts(PyObject *Py_UNUSED(mod), PyObject *args)

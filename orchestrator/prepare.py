@@ -30,8 +30,9 @@ for 12.6 s):
      counted: every engine refuses a prompt past its context with a 400, and on that 400 `recheck` counts it
      exactly and gives this frontend's own error (the engine's stands if no limit is broken). The UTF-8 bound
      is ~4x loose on prose, so without this a one-shot prompt past a quarter of the context was tokenized whole.
-     Not with max_tokens_cap filling in max_tokens (that needs the count) or with nothing tokenized yet. The token count routing and load use is
-     then an estimate; the engine's usage replaces it when the request ends (orchestrator/service.py). The kv policy's probe asks its index; a policy
+     Not with max_tokens_cap filling in max_tokens (that needs the count) or with nothing tokenized yet.
+     The token count routing and load use is then an estimate; the engine's usage replaces it when the request
+     ends (orchestrator/service.py). The kv policy's probe asks its index; a policy
      without one (round-robin, least-loaded) needs no ids (probe None), and EAGER tokenizes it all
      (disaggregated models, workers without KV events whose predicted contents are the routed prompts).
   5. what was left untokenized is learned from the engine, where it sends the prompt's ids back (vLLM with

@@ -30,8 +30,9 @@ exactly the chunks' UTF-8 text, and every cut must fall between two tokens; the 
 equal the engine's first ids. Anything else teaches nothing (a different chat rendering, a normalizer that changed
 the text, a BOS the engine added). A learned chunk is then what tokenizing it would give (an exact cut starts and
 ends it), and the first learned chunk and every 32nd after are tokenized here too as an audit: a mismatch (an engine
-serving another tokenizer) turns learning off. A learned prompt costs a parse in C and a few array operations
-(~0.1 ms for 15k ids) against ~7 ms of BPE for its rest.
+serving another tokenizer) turns learning off. A learned prompt costs a parse and one pass over its ids in C
+(`token_cuts` in orchestrator/_relaycore.c) and an array a chunk: benchmarks/prompt_prep.py's `learn` mode measures
+it against tokenizing the text on its next sight.
 
 The rule is not trusted blindly: `exact_cuts_reason(tok)` enables the cache only for a tokenizer whose normalizer,
 pre-tokenizer, post-processor and added tokens have the shape the argument needs, *and* that passes a self-test at
@@ -218,7 +219,8 @@ class _TokenBytes:
     def of(cls, raw) -> tuple["_TokenBytes | None", str | None]:
         """(the table, None) for a tokenizers.Tokenizer whose ids it spells back into their text, else (None, why
         not). A vocabulary in GPT-2's byte alphabet is read as bytes (one character a byte), else as UTF-8 strings;
-        the self-test decides. Made with a few large objects, not one per token (~0.1 s for a 100k vocabulary)."""
+        the self-test decides. Made with a few large objects, not one per token (what the garbage collector would
+        walk)."""
         added = {i: t.content.encode("utf-8", "surrogatepass") for i, t in raw.get_added_tokens_decoder().items()}
         vocab = {i: text for text, i in raw.get_vocab(with_added_tokens=False).items() if i not in added}
         ids = np.fromiter([*vocab.keys(), *added.keys()], dtype=np.int64, count=len(vocab) + len(added))
@@ -278,7 +280,7 @@ def _token_cuts(ids, starts: np.ndarray, lens: np.ndarray, blob: np.ndarray, tex
     return (last + 1).tolist()
 
 
-try:  # the same check in C, ~10x less CPU (setup.py builds it; without a compiler the twin above serves)
+try:  # the same check in C, one pass with memcmp (setup.py builds it; without a compiler the twin above serves)
     from orchestrator._relaycore import token_cuts
 except ImportError:  # pragma: no cover - depends on the build
     token_cuts = _token_cuts
@@ -290,8 +292,7 @@ _TABLES_LOCK = threading.Lock()  # not a cache's LRU lock: requests tokenize whi
 
 
 def _token_bytes(tok) -> tuple[_TokenBytes | None, str | None]:
-    """_TokenBytes.of(tok.raw), made once per PromptTokenizer (~0.3 s of CPU for a 100k vocabulary) and shared by
-    every chunk cache of it."""
+    """_TokenBytes.of(tok.raw), made once per PromptTokenizer and shared by every chunk cache of it."""
     with _TABLES_LOCK:
         got = _TABLES.get(tok)
         if got is None:
@@ -365,8 +366,8 @@ class ChunkedTokenizer:
         self._seen_cap = max(1024, 4 * capacity_tokens // 256)
         self._enc_chars, self._enc_tokens = 1, 0  # what this cache has encoded: the tokens-per-character ratio
         self._expand = 3 if tok.raw.normalizer is not None else 1  # NFC (the only normalizer allowed) grows text <= 3x
-        # learning from the engine's ids (module header): the token bytes, made by the first `learn` (~0.3 s for a
-        # 100k vocabulary, off the request path), or why not
+        # learning from the engine's ids (module header): the token bytes, made by the first `learn` (off the request
+        # path; a fraction of a second of CPU once per tokenizer), or why not
         self._bytes: _TokenBytes | None = None
         self.learn_reason = self.reason
         self.learned = 0  # chunks
