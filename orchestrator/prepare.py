@@ -27,10 +27,11 @@ for 12.6 s):
      migrates (`complete`); the bound counts the cached chunks of the rest exactly (ChunkedTokenizer.upper),
      so a conversation's history counted once is not counted again. A prompt the bound cannot clear but that
      would fit at ESTIMATE_MARGIN times its estimate (from its own tokenized part's tokens per character) is not
-     counted: every engine refuses a prompt past its context with a 400, and on that 400 `recheck` counts it
+     counted: vLLM refuses a prompt past its context with a 400, and on that 400 `recheck` counts it
      exactly and gives this frontend's own error (the engine's stands if no limit is broken). The UTF-8 bound
      is ~4x loose on prose, so without this a one-shot prompt past a quarter of the context was tokenized whole.
-     Not with max_tokens_cap filling in max_tokens (that needs the count) or with nothing tokenized yet.
+     Not with max_tokens_cap filling in max_tokens (that needs the count), with nothing tokenized yet, or for
+     engines whose answer to a prompt past the context is not known to be that 400 (SGLang, TensorRT-LLM).
      The token count routing and load use is then an estimate; the engine's usage replaces it when the request
      ends (orchestrator/service.py). The kv policy's probe asks its index; a policy
      without one (round-robin, least-loaded) needs no ids (probe None), and EAGER tokenizes it all
@@ -158,10 +159,14 @@ class PromptPreparer:
         return load_tokenizer(folder, self.fast_bpe) if folder is not None else None
 
     async def prompt_ids(self, req, model: str, ctx: int, mm_spec: MmTokenSpec | None = None,
-                         how_far: Callable[[], Probe | None | object] = lambda: EAGER) -> PromptTokens:
+                         how_far: Callable[[], Probe | None | object] = lambda: EAGER,
+                         engine_refuses: bool = True) -> PromptTokens:
         """The prompt's tokens: the longest prompt's ids for a batch; a chat's image/audio parts become placeholder
         runs (orchestrator/multimodal.py); no ids without a tokenizer (the engine checks lengths). For a long prompt
-        `how_far()` is asked for the probe (header, 4): with one other than EAGER it may come back incomplete."""
+        `how_far()` is asked for the probe (header, 4): with one other than EAGER it may come back incomplete.
+        `engine_refuses`: the engines answer a prompt past their context with a 400 (vLLM's, checked by
+        tests/integration/test_engine_contract.py), so a prompt far from its limits by its estimate may be sent
+        uncounted (header, 4)."""
         chat = isinstance(req, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         spec = mm_spec or MmTokenSpec()
@@ -224,7 +229,8 @@ class PromptPreparer:
                 return upper + want > ctx or bool(want == 0 and self.max_tokens_cap and ctx - upper < self.max_tokens_cap)
 
             if not p.complete and may_break_a_limit(p.upper) and may_break_a_limit(got.chunked.upper(p)):
-                if p.done and (want or not self.max_tokens_cap) and not may_break_a_limit(ESTIMATE_MARGIN * p.estimate()):
+                if (engine_refuses and p.done and (want or not self.max_tokens_cap)
+                        and not may_break_a_limit(ESTIMATE_MARGIN * p.estimate())):
                     got.recheck = (req, ctx, param)  # far from the limit by its own density: the engine's 400 rechecks
                 else:
                     await self.complete(got)  # a limit needs the exact count

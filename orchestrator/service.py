@@ -305,7 +305,8 @@ class InferenceService:
         try:  # long prompts are tokenized off the loop, and only as far as routing needs (prepare.py)
             with self.tracing.span("kvyard.tokenize"):  # tracing hook
                 prompt = await self.prep.prompt_ids(req, model, ctx, self.cfg.multimodal.spec(),
-                                                    lambda: self._tokenize_until(model, adapter.name if adapter is not None else None))
+                                                    lambda: self._tokenize_until(model, adapter.name if adapter is not None else None),
+                                                    engine_refuses=protocol_of(info) == "vllm")
             ids, mm_items = prompt.ids, prompt.mm_items
             self.prep.check_lengths(req, prompt.count, ctx)
             body, max_tokens = self.prep.fill_max_tokens(req, body, prompt.count, ctx)

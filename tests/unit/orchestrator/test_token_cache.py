@@ -562,6 +562,15 @@ async def test_a_prompt_far_from_its_limit_by_its_estimate_is_not_counted(tok):
                 await prep.recheck(p)  # fits: the engine's own 400 stands
                 assert p.complete and p.count == n
             assert p.recheck is None
+            other = _preparer()  # engines whose refusal is not known to be vLLM's 400: counted exactly, as before
+            try:
+                if tight:
+                    with pytest.raises(ContextLengthError):
+                        await other.prompt_ids(req, "m", ctx, how_far=lambda: lambda ids: False, engine_refuses=False)
+                else:
+                    assert (await other.prompt_ids(req, "m", ctx, how_far=lambda: lambda ids: False, engine_refuses=False)).complete
+            finally:
+                other.close()
             # max_tokens_cap filling max_tokens needs the count: exact, as before
             capped = _preparer(max_tokens_cap=ctx)
             bare = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
