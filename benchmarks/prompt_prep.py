@@ -9,8 +9,9 @@ time.process_time. Five modes, alternated within each round (their order rotated
   eager   every prompt token, as before lazy tokenizing (and as the frontend still does for workers without KV events)
   lazy    the kv policy's probe (Router.prefix_cached) against a KV index that holds every prompt sent before, whole,
           as the engines' KV events would (each prompt's full blocks are stored after it is prepared)
-  learn   lazy, then the chunk cache learns what was left untokenized from the prompt's whole ids, as from vLLM's
-          answer (ChunkedTokenizer.learn, timed with the prompt; the C parse of the ids on the relay, ~30 us, is not)
+  learn   lazy, then the prompt's whole ids are offered to the chunk cache, as from vLLM's answer, which learns what
+          was left untokenized when the text comes again (ChunkedTokenizer.offer, .learn; timed with the prompts;
+          the C parse of the ids on the relay is not)
 each with the encoder `hf` (frontend.fast_bpe: false) and `fast` (the default; the same ids); learn with fast only.
 Workloads (text: words drawn from the sim tokenizer's vocabulary, seeded; the sim's cl100k tokenizer):
   multi-turn  8 conversations x 5 turns: a ~4k-token system prompt shared by all, a ~14k-token document of its own,
@@ -100,9 +101,8 @@ async def run(mode: str, convs: list[list[list[dict]]], tok) -> float:
                 engine_ids = array("I", full).tobytes()
                 t0 = time.process_time()
                 got = await prep.prompt_ids(req, "m", 1 << 20, how_far=how_far)
-                if mode.startswith("learn") and prep.learner(got) is not None:
-                    p = got.partial
-                    got.chunked.learn(p, p.done, len(p.ids), engine_ids)  # what the learner runs on the thread pool
+                if mode.startswith("learn") and (learn := prep.learner(got)) is not None:
+                    learn(engine_ids)  # as the relay does with the answer's ids: offered, learned on the next sight
                 cpu += time.process_time() - t0
                 n += 1
                 blocks = len(full) // BLOCK
@@ -166,8 +166,9 @@ async def main() -> None:
     md = [f"# Prompt preparation: eager vs lazy, Hugging Face vs fast encoder ({result['when']})", "", f"    {result['command']}", "",
           "CPU time of the process (all threads) in PromptPreparer.prompt_ids per prompt; median over rounds. Lazy: the kv "
           "policy's probe against an index holding every earlier prompt whole (as the engines' KV events would). hf: "
-          "frontend.fast_bpe off; fast: tiktoken's core (orchestrator/fast_bpe.py), the same ids. learn: lazy, then the "
-          "untokenized chunks learned from the prompt's whole ids (ChunkedTokenizer.learn), timed with the prompt.", "",
+          "frontend.fast_bpe off; fast: tiktoken's core (orchestrator/fast_bpe.py), the same ids. learn: lazy, with each "
+          "prompt's whole ids offered to the chunk cache, which learns its untokenized chunks when they come again "
+          "(ChunkedTokenizer.offer, .learn), timed with the prompts.", "",
           "| workload | prompt tokens (mean, last turn) | " + " | ".join(f"{m}: CPU-ms / prompt" for m in MODES)
           + " | lazy / eager (fast, hf) | fast / hf (lazy, eager) | learn / lazy (fast) |",
           "|---|---|" + "---|" * (len(MODES) + 3)]

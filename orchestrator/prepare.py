@@ -44,7 +44,6 @@ Measured (benchmarks/results/hostile_prompt.json): the longest loop stall an 8 M
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -61,8 +60,6 @@ from orchestrator.tokenizer import PromptTokenizer, load_tokenizer
 from workers.multimodal import ContentError, MmTokenSpec, flatten_messages
 
 __all__ = ["PromptPreparer", "PromptTokens", "INLINE_CHARS", "EAGER"]
-
-log = logging.getLogger("kvyard.prepare")
 
 INLINE_CHARS = 4096  # up to here a prompt is tokenized on the loop (a thread hop would cost more than the encode)
 ESTIMATE_MARGIN = 2  # a prompt that fits at this many times its estimate is not counted exactly for its limits (header, 4)
@@ -119,11 +116,6 @@ class _GilFree:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.count_or_ids(text, 1 << 62, add_special_tokens=add_special_tokens)[1]
-
-
-def _log_failure(fut) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("learning a prompt's ids from the engine failed", exc_info=fut.exception())
 
 
 class PromptPreparer:
@@ -251,19 +243,16 @@ class PromptPreparer:
     def learner(self, prompt: PromptTokens) -> Callable[[bytes], None] | None:
         """For a prompt left partly untokenized, where the chunk cache can learn: a callback that takes the engine's
         ids of the whole prompt (native uint32s, from the stream's first chunk: resilience/migration.py's
-        `on_prompt_ids`) and caches the untokenized chunks' ids on the thread pool (ChunkedTokenizer.learn), so the
-        text's next sight costs no tokenizing. None otherwise, and for a prompt routed without ids (a policy with no
+        `on_prompt_ids`) and offers them to the chunk cache, which learns the untokenized chunks' ids from them when
+        one is looked up again (ChunkedTokenizer.offer, .learn), so the text's next sight costs no tokenizing. None otherwise, and for a prompt routed without ids (a policy with no
         index tokenizes nothing: header, 4)."""
         p, chunked = prompt.partial, prompt.chunked
         if not self.learn or p is None or p.complete or not p.done or chunked is None or not chunked.learns:
             return None
         done, n = p.done, len(p.ids)  # as routed; a migration's `complete` only appends to p.ids after this
 
-        def learn(engine_ids: bytes) -> None:
-            try:
-                self._executor.submit(chunked.learn, p, done, n, engine_ids).add_done_callback(_log_failure)
-            except RuntimeError:  # shut down
-                pass
+        def learn(engine_ids: bytes) -> None:  # on the loop: a dict entry a chunk; learned when one is seen again
+            chunked.offer(p, done, n, engine_ids)
 
         return learn
 

@@ -24,8 +24,8 @@ space), so a piece ends at c whether the text ends there or not, and the piece a
 Learning from the engine (`learn`): a lazily tokenized prompt leaves chunks untokenized, and the second time they
 are seen they are tokenized on the request's path. But vLLM tokenized the whole prompt already, and with
 `return_token_ids` (which the frontend asks for, for migrations) it sends the ids back on the stream's first chunk.
-The relay hands them over (resilience/migration.py, `on_prompt_ids`) and `learn` splits them into the chunks left
-untokenized: each token's bytes (a table built from the vocabulary, `_TokenBytes`) are laid end to end and must be
+The relay hands them over (resilience/migration.py, `on_prompt_ids`); `offer` keeps them, and when one of the chunks
+left untokenized is looked up again (most never are), `learn` splits them into those chunks: each token's bytes (a table built from the vocabulary, `_TokenBytes`) are laid end to end and must be
 exactly the chunks' UTF-8 text, and every cut must fall between two tokens; the ids of the part tokenized here must
 equal the engine's first ids. Anything else teaches nothing (a different chat rendering, a normalizer that changed
 the text, a BOS the engine added). A learned chunk is then what tokenizing it would give (an exact cut starts and
@@ -364,6 +364,9 @@ class ChunkedTokenizer:
         # chunks a lazy prompt left untokenized, by str hash: seen again, they are tokenized (see begin)
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._seen_cap = max(1024, 4 * capacity_tokens // 256)
+        # engine answers offered for learning (`offer`), by chunk hash; each record holds its prompt's text and ids
+        self._pending: OrderedDict[int, tuple] = OrderedDict()
+        self._pending_cap = max(1024, capacity_tokens // 256)
         self._enc_chars, self._enc_tokens = 1, 0  # what this cache has encoded: the tokens-per-character ratio
         self._expand = 3 if tok.raw.normalizer is not None else 1  # NFC (the only normalizer allowed) grows text <= 3x
         # learning from the engine's ids (module header): the token bytes, made by the first `learn` (off the request
@@ -509,7 +512,21 @@ class ChunkedTokenizer:
         return self._join(*self._lookup(chunks)) if chunks else array("I")
 
     def _lookup(self, chunks: list[str]) -> tuple[list[array | None], list[str], list[list[int]]]:
-        """(each chunk's cached ids or None, the chunks not cached, their ids: one GIL-free batch call)."""
+        """(each chunk's cached ids or None, the chunks not cached, their ids: one GIL-free batch call). A chunk not
+        cached but offered by an engine's answer (`offer`) is learned first."""
+        found = self._found(chunks)
+        if self._pending and None in found:
+            with self._lock:
+                records = {id(r): r for c, ids in zip(chunks, found) if ids is None
+                           and (r := self._pending.get(hash(c))) is not None}
+            if records:
+                for r in records.values():
+                    self._learn_offered(r)
+                found = self._found(chunks)
+        missing = [c for c, ids in zip(chunks, found) if ids is None]
+        return found, missing, (self._encode_many(missing, add_special_tokens=False) if missing else [])
+
+    def _found(self, chunks: list[str]) -> list[array | None]:
         found: list[array | None] = []
         with self._lock:
             for c in chunks:
@@ -517,8 +534,31 @@ class ChunkedTokenizer:
                 if ids is not None:
                     self._lru.move_to_end(c)
                 found.append(ids)
-        missing = [c for c, ids in zip(chunks, found) if ids is None]
-        return found, missing, (self._encode_many(missing, add_special_tokens=False) if missing else [])
+        return found
+
+    def offer(self, p: PartialIds, done: int, n: int, engine_ids: bytes) -> None:
+        """`learn`'s arguments, kept until one of p.chunks[done:] is looked up again (most are never: a prompt
+        nobody sends again), and learned then, on the thread that needs them. Cheap enough for the event loop: a
+        dict entry a chunk. At most `_pending_cap` chunks are kept, the oldest dropped first."""
+        if self.learn_reason is not None or not p.chunks[done:]:
+            return
+        keys = [hash(c) for c in p.chunks[done:]]
+        record = (p, done, n, engine_ids, keys)
+        with self._lock:
+            pending = self._pending
+            for k in keys:
+                pending[k] = record
+                pending.move_to_end(k)
+            while len(pending) > self._pending_cap:
+                pending.popitem(last=False)
+
+    def _learn_offered(self, record: tuple) -> None:
+        p, done, n, engine_ids, keys = record
+        with self._lock:
+            for k in keys:
+                if self._pending.get(k) is record:
+                    del self._pending[k]
+        self.learn(p, done, n, engine_ids)
 
     def _join(self, found: list[array | None], missing: list[str], lists: list[list[int]]) -> array:
         """The chunks' ids end to end, as one uint32 array; the new chunks' ids are cached.

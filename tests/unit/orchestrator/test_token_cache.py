@@ -458,9 +458,8 @@ def test_learning_needs_a_table_that_spells_the_text():
 
 
 async def test_the_preparer_learns_what_it_left_untokenized(tok):
-    """`learner` is there only for a prompt routed on some ids and left incomplete; its callback learns on the thread
-    pool, and the same chat then needs no tokenizing."""
-    import asyncio
+    """`learner` is there only for a prompt routed on some ids and left incomplete; its callback offers the engine's
+    ids, learned when the same chat comes again, which then needs no tokenizing."""
     from array import array
 
     req, want = _long_chat(tok, random.Random(24))
@@ -474,15 +473,12 @@ async def test_the_preparer_learns_what_it_left_untokenized(tok):
         assert prep.learner(unrouted) is None  # no ids needed, none learned
         learn = prep.learner(p)
         cache = p.chunked
-        learn(array("I", want).tobytes())
-        for _ in range(200):
-            if cache.learned:
-                break
-            await asyncio.sleep(0.01)
-        assert cache.learned == len(p.partial.chunks) - p.partial.done
+        learn(array("I", want).tobytes())  # offered: learned only when the text is seen again
+        assert cache.learned == 0
         misses = cache.misses
         again = await prep.prompt_ids(req, "m", 1 << 20, how_far=lambda: lambda ids: False)
         assert again.complete and list(again.ids) == want and cache.misses == misses
+        assert cache.learned == len(p.partial.chunks) - p.partial.done and not cache._pending
         assert prep.learner(again) is None  # complete: nothing to learn
     finally:
         prep.close()
@@ -584,3 +580,29 @@ async def test_a_prompt_far_from_its_limit_by_its_estimate_is_not_counted(tok):
                 capped.close()
         finally:
             prep.close()
+
+
+def test_offered_ids_are_learned_on_the_next_sight_only(tok):
+    """`offer` keeps the engine's ids; a prompt nobody sends again costs no learning; the next sight of any of its
+    chunks learns them all (and drops the record); the kept records are bounded."""
+    rng = random.Random(51)
+    texts = [_self_test_text(rng, 6000) for _ in range(3)]
+    cached = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
+    parts = [cached.begin(t, False) for t in texts]
+    for t, p in zip(texts, parts):
+        cached.offer(p, p.done, len(p.ids), _engine_ids(whole(tok, t)))
+    assert cached.learned == 0 and len(cached._pending) == sum(len(p.chunks) - p.done for p in parts)
+    misses = cached.misses
+    n, ids = cached.count_or_ids(texts[1], 1 << 30, add_special_tokens=False)  # the second prompt seen again
+    assert list(ids) == whole(tok, texts[1]) and cached.misses == misses
+    assert cached.learned == len(parts[1].chunks) - parts[1].done
+    assert len(cached._pending) == sum(len(p.chunks) - p.done for i, p in enumerate(parts) if i != 1)
+    small = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
+    small._pending_cap = 5
+    p = small.begin(texts[0], False)
+    small.offer(p, p.done, len(p.ids), _engine_ids(whole(tok, texts[0])))
+    assert len(small._pending) == 5  # the newest chunks' entries
+    off = ChunkedTokenizer(tok, 1_000_000, chunk_chars=256)
+    off.learn_reason = "off"
+    off.offer(p, p.done, len(p.ids), _engine_ids(whole(tok, texts[0])))
+    assert not off._pending
