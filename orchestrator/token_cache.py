@@ -369,8 +369,8 @@ class ChunkedTokenizer:
         self._pending_cap = max(1024, capacity_tokens // 256)
         self._enc_chars, self._enc_tokens = 1, 0  # what this cache has encoded: the tokens-per-character ratio
         self._expand = 3 if tok.raw.normalizer is not None else 1  # NFC (the only normalizer allowed) grows text <= 3x
-        # learning from the engine's ids (module header): the token bytes, made by the first `learn` (off the request
-        # path; a fraction of a second of CPU once per tokenizer), or why not
+        # learning from the engine's ids (module header): the token bytes, made by the first `learn` (a fraction of a
+        # second of CPU once per tokenizer, on the tokenizer pool), or why not
         self._bytes: _TokenBytes | None = None
         self.learn_reason = self.reason
         self.learned = 0  # chunks
