@@ -707,11 +707,11 @@ bad:
     return NULL;
 }
 
-/* hands the first parsable prompt_token_ids array of ev (n bytes) to on_prompt_ids, once */
+/* hands the first parsable prompt_token_ids array of ev (n bytes; `hit`: the first opener in it) to on_prompt_ids,
+   once */
 static void
-offer_prompt_ids(EventBuffer *self, const char *ev, Py_ssize_t n)
+offer_prompt_ids(EventBuffer *self, const char *ev, Py_ssize_t n, const char *hit)
 {
-    const char *hit = find_by(ev, n, PROMPT_IDS_OPEN, 20, 19);
     while (hit != NULL && self->on_prompt_ids != NULL) {
         const char *start = hit + 20;
         const char *close = memchr(start, ']', (size_t)(n - (start - ev)));
@@ -747,9 +747,10 @@ EventBuffer_feed(EventBuffer *self, PyObject *ev)
     }
     Py_ssize_t n = PyBytes_GET_SIZE(ev);
     PyObject *kept;
-    if (n > self->big && find_by(PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) != NULL) {
+    const char *hit = n > self->big ? find_by(PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) : NULL;
+    if (hit != NULL) {
         if (self->on_prompt_ids != NULL)
-            offer_prompt_ids(self, PyBytes_AS_STRING(ev), n);
+            offer_prompt_ids(self, PyBytes_AS_STRING(ev), n, hit);
         Buf cut = {NULL, 0, 0};  /* rare and large: not kept for the stream's life */
         kept = put_nulled(&cut, PyBytes_AS_STRING(ev), n, PROMPT_IDS_OPEN, 20, 19) < 0
             ? NULL : PyBytes_FromStringAndSize(cut.p, cut.len);

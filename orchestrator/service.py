@@ -406,8 +406,8 @@ class InferenceService:
             await d.resp.aclose()
             self.breakers.success(d.endpoint.worker_id)  # it answered: alive
             self._finish(d.rreq, d.t0, status, ticket=d.ticket)
-        if d.resp.status_code == 400 and d.prompt is not None and d.prompt.recheck is not None:
-            await self.prep.recheck(d.prompt)
+        if d.resp.status_code == 400:
+            await self.prep.recheck(d.prompt)  # nothing unless the prompt was sent on its estimate
         return body
 
     async def handle(self, request: Request, kind: str) -> Response:
